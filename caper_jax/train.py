@@ -1,0 +1,83 @@
+"""Train a Clause-PRM, a GRPO policy or an SFT policy from an ml_collections config.
+
+    python -m caper_jax.train --config=configs/prm.py --workdir=runs/prm_demo
+    python -m caper_jax.train --config=configs/prm.py:model=qwen35_9b --dry_run
+    python -m caper_jax.train --config=configs/grpo.py --workdir=runs/grpo_demo
+    python -m caper_jax.train --config=configs/sft.py --workdir=runs/sft_demo
+
+``--config.a.b=value`` overrides any field; an unknown key or a value of the wrong type is refused with a
+clear message before anything is built or compiled. ``config.trainer`` picks the loop; each loop is a
+module with ``run(config, workdir)`` and ``dry_run(config)``.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import logging
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/prm.py[:arg].",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics, plots and exports go.")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Lower and compile the train step on abstract shapes and "
+                             "report parameters, FLOPs and per-device memory; allocate no weights.")
+
+TRAINERS = {
+    "prm": "caper_jax.prm.trainer",
+    "grpo": "caper_jax.rl.trainer",
+    "sft": "caper_jax.sft.trainer",
+}
+
+
+def _config_keys(cfg, prefix="") -> list[str]:
+    keys = []
+    for key, value in cfg.items():
+        keys.append(prefix + key)
+        if hasattr(value, "items"):
+            keys.extend(_config_keys(value, prefix + key + "."))
+    return keys
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing, with config typos turned into one readable line instead of a traceback."""
+    try:
+        return flags.FLAGS(argv)
+    except (AttributeError, KeyError) as e:
+        bad = [a.split("=")[0].removeprefix("--config.") for a in argv[1:] if a.startswith("--config.")]
+        known = []
+        try:  # the config file itself loaded fine; list its keys for suggestions
+            known = _config_keys(flags.FLAGS["config"]._value or {})
+        except Exception:  # noqa: BLE001 - suggestions are best effort only
+            pass
+        hint = ""
+        for key in bad:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=3)
+                hint += f"\n  unknown config key {key!r}" + (f"; did you mean {close}?" if close else "")
+        sys.exit(f"error: bad config override ({e}).{hint}")
+    except flags.Error as e:
+        sys.exit(f"error: {e}")
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    logging.getLogger("caper_jax").setLevel(logging.INFO)
+    config = _CONFIG.value
+    if config is None:
+        sys.exit("error: --config is required, e.g. --config=configs/prm.py")
+    if config.trainer not in TRAINERS:
+        sys.exit(f"error: config.trainer={config.trainer!r}; known trainers: {sorted(TRAINERS)}")
+    trainer = importlib.import_module(TRAINERS[config.trainer])
+    if _DRY_RUN.value:
+        trainer.dry_run(config)
+        return
+    if not _WORKDIR.value:
+        sys.exit("error: --workdir is required (checkpoints, metrics and exports go there)")
+    trainer.run(config, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=parse_flags)

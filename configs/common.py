@@ -1,0 +1,33 @@
+"""Helpers shared by the configs: `:arg` parsing in the style of big_vision."""
+from __future__ import annotations
+
+import ml_collections
+
+
+def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
+    """Parses ``"model=tiny,steps=100,fast"`` into a ConfigDict over ``defaults``.
+
+    A bare word ``fast`` means ``fast=True``. Values are converted to the type of their default, and a
+    key that has no default is refused: a typo in a ``:arg`` variant must not pass silently.
+    """
+    result = ml_collections.ConfigDict(dict(defaults))
+    if not arg:
+        return result
+    for item in arg.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, _, value = item.partition("=")
+        if key not in defaults:
+            raise KeyError(f"unknown config arg {key!r}; known: {sorted(defaults)}")
+        default = defaults[key]
+        if not _:
+            value = True
+        elif isinstance(default, bool):
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"config arg {key}={value!r} is not a bool")
+            value = value.lower() in ("true", "1")
+        elif default is not None:
+            value = type(default)(value)
+        result[key] = value
+    return result
