@@ -1,0 +1,91 @@
+"""The jitted PRM step on a tiny random model: it learns a fixed batch, refuses non-finite updates,
+and the clause head reads exactly the positions it is given."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from ml_collections import ConfigDict
+
+from caper_jax.models import Qwen35Config
+from caper_jax.prm.loss import PairLossConfig
+from caper_jax.prm.model import ClausePRM
+from caper_jax.prm.step import decay_mask, init_state, jit_steps, make_optimizer
+
+CONFIG = Qwen35Config.tiny(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4)
+OPTIM = ConfigDict(dict(lr=3e-3, warmup_steps=2, total_steps=40, weight_decay=0.0, b1=0.9, b2=0.95,
+                        grad_clip=1.0))
+
+
+def make_batch(rng, b=4, t=24):
+    ids = rng.integers(1, 64, size=(2, b, t)).astype(np.int32)
+    mask = np.ones((2, b, t), np.int32)
+    mask[:, :, -3:] = 0                                      # right padding
+    pos = np.full((2, b), t - 4, np.int32)
+    return {"chosen_ids": ids[0], "chosen_mask": mask[0], "chosen_pos": pos[0],
+            "rejected_ids": ids[1], "rejected_mask": mask[1], "rejected_pos": pos[1],
+            "margin": np.ones(b, np.float32), "weight": np.ones(b, np.float32)}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = ClausePRM(CONFIG, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    tx = make_optimizer(OPTIM)
+    train, evals, clauses = jit_steps(graphdef, tx, PairLossConfig())
+    return model, graphdef, params, tx, train, evals, clauses
+
+
+def test_backbone_has_no_lm_head(setup):
+    model = setup[0]
+    assert not hasattr(model.backbone, "lm_head")
+
+
+def test_learns_a_fixed_batch(setup):
+    _, _, params, tx, train, _, _ = setup
+    state = init_state(jax.tree.map(jnp.copy, params), tx)
+    batch = make_batch(np.random.default_rng(0))
+    losses = []
+    for _ in range(30):
+        state, m = train(state, batch)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert float(m["accuracy"]) == 1.0
+    assert int(state.step) == 30 and int(state.nonfinite) == 0
+
+
+def test_non_finite_step_is_refused(setup):
+    _, _, params, tx, train, _, _ = setup
+    state = init_state(jax.tree.map(jnp.copy, params), tx)
+    batch = make_batch(np.random.default_rng(1))
+    state, _ = train(state, batch)
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    bad = dict(batch, margin=np.full(4, np.nan, np.float32))
+    state, m = train(state, bad)
+    assert float(m["refused"]) == 1.0 and int(state.nonfinite) == 1
+    after = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    jax.tree.map(np.testing.assert_array_equal, before, after)
+    state, m = train(state, batch)
+    assert float(m["refused"]) == 0.0 and int(state.nonfinite) == 0
+
+
+def test_scores_are_the_head_at_the_given_positions(setup):
+    model, graphdef, params, _, _, evals, clauses = setup
+    batch = make_batch(np.random.default_rng(2))
+    every = np.asarray(model.token_scores(jnp.asarray(batch["chosen_ids"]), jnp.asarray(batch["chosen_mask"])))
+    r_pos, _ = evals(params, batch)
+    np.testing.assert_allclose(r_pos, every[np.arange(4), batch["chosen_pos"]], rtol=1e-5, atol=1e-6)
+    pos = np.array([[3, 7, -1]] * 4, np.int32)
+    k = np.asarray(clauses(params, batch["chosen_ids"], batch["chosen_mask"], pos))
+    np.testing.assert_allclose(k[:, :2], every[:, [3, 7]], rtol=1e-5, atol=1e-6)
+    assert (k[:, 2] == 0).all()
+
+
+def test_weight_decay_skips_norms(setup):
+    params = setup[2]
+    mask = decay_mask(params)
+    flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(mask)}
+    norms = [k for k in flat if "norm" in k]
+    assert norms and not any(flat[k] for k in norms)
+    assert any(flat[k] for k in flat if "embed_tokens" in k)
