@@ -1,0 +1,645 @@
+"""Imperfect predictions for the demo world, each with a KNOWN root-cause clause.
+
+A prediction is the gold query with zero, one or two realistic mistakes, or a surface-only rewrite
+of it. Mistakes are edits of the sqlglot tree of the gold query; because the gold text is itself
+rendered by the same generator (``render``), the predicted text differs from the gold only where
+the edit is. Each mistake is verified on SQLite: it is kept only if the predicted result differs
+from the gold result (bag of rows; list of rows when the gold has ORDER BY; column permutations
+forgiven as in Spider's test-suite metric), and with two mistakes, only if each one alone also
+changes the result — so the earlier one really is a root cause. Surface variants are kept only if
+their result is identical to the gold's.
+
+Clause names follow caper_jax.sql.clauses: SELECT, FROM (with JOINs), WHERE, GROUP BY, HAVING,
+ORDER BY, LIMIT of the first (or only) SELECT; in a compound query everything right of an
+operator belongs to the unit named after the operator (UNION, INTERSECT, EXCEPT). A mistake inside
+a subquery belongs to the clause that contains the subquery.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import random
+import sqlite3
+from typing import Callable, Sequence
+
+import sqlglot
+from sqlglot import exp
+from sqlglot.dialects.sqlite import SQLite
+from sqlglot.tokens import TokenType
+
+from caper_jax.data.demo_schemas import DemoSchema
+
+_DIALECT = SQLite()
+CLAUSE_ORDER = ("SELECT", "FROM", "WHERE", "GROUP BY", "HAVING", "ORDER BY", "LIMIT")
+_ARG_CLAUSE = {"expressions": "SELECT", "distinct": "SELECT", "from_": "FROM", "joins": "FROM",
+               "where": "WHERE", "group": "GROUP BY", "having": "HAVING", "order": "ORDER BY",
+               "limit": "LIMIT", "offset": "LIMIT"}
+_COMPARISONS = (exp.EQ, exp.NEQ, exp.GT, exp.GTE, exp.LT, exp.LTE)
+_NUMERIC_OPS = (exp.GT, exp.GTE, exp.LT, exp.LTE, exp.EQ, exp.NEQ)
+_AGGREGATES = (exp.Avg, exp.Sum, exp.Min, exp.Max)
+_MAX_FILTER_VALUES = 60  # columns with more distinct values are not used for extra conditions
+
+PREDICTION_MIX = {"exact": 0.1, "surface": 0.2, "error": 0.5, "double_error": 0.2}
+SURFACE_WEIGHTS = {"keyword_case": 1.0, "table_aliases": 1.0, "commuted_conjuncts": 3.0,
+                   "commuted_join_condition": 3.0, "neq_spelling": 3.0}
+
+
+# ----------------------------------------------------------------------------- text <-> tree
+
+def parse(sql: str) -> exp.Expression:
+    return sqlglot.parse_one(sql, read="sqlite")
+
+
+def render(tree: exp.Expression) -> str:
+    """sqlglot's SQLite text with ``x NOT IN`` / ``x NOT LIKE`` instead of its ``NOT x IN``."""
+    return _not_after_operand(_DIALECT.generate(tree, copy=False))
+
+
+def _not_after_operand(sql: str) -> str:
+    tokens = _DIALECT.tokenize(sql)
+    out, cursor = [], 0
+    for i, token in enumerate(tokens):
+        if token.token_type != TokenType.NOT:
+            continue
+        # NOT <name> [. <name>] IN|LIKE  ->  <name>[.<name>] NOT IN|LIKE
+        j = i + 1
+        if j < len(tokens) and tokens[j].token_type == TokenType.VAR:
+            k = j + 2 if j + 2 < len(tokens) and tokens[j + 1].token_type == TokenType.DOT else j
+            if k + 1 < len(tokens) and tokens[k + 1].token_type in (TokenType.IN, TokenType.LIKE):
+                out.append(sql[cursor:token.start])
+                out.append(sql[tokens[j].start:tokens[k].end + 1] + " NOT")
+                cursor = tokens[k].end + 1
+    out.append(sql[cursor:])
+    return "".join(out)
+
+
+# ----------------------------------------------------------------------------- execution
+
+Rows = list[tuple]
+
+
+def execute(conn: sqlite3.Connection, sql: str) -> Rows:
+    return [tuple(r) for r in conn.execute(sql).fetchall()]
+
+
+def same_result(gold: Rows, pred: Rows, *, ordered: bool, permute_columns: bool = True) -> bool:
+    """Spider's test-suite comparison: list equality if ordered, else bag equality; the columns of
+    ``pred`` may be in any order."""
+    if len(gold) != len(pred):
+        return False
+    if not gold:
+        return True
+    width = len(gold[0])
+    if len(pred[0]) != width:
+        return False
+    orders = itertools.permutations(range(width)) if permute_columns else [tuple(range(width))]
+    for order in orders:
+        permuted = [tuple(row[i] for i in order) for row in pred]
+        if (permuted == gold) if ordered else (collections.Counter(permuted) == collections.Counter(gold)):
+            return True
+    return False
+
+
+def has_order_by(tree: exp.Expression) -> bool:
+    return tree.args.get("order") is not None
+
+
+def order_is_ambiguous(conn: sqlite3.Connection, tree: exp.Expression) -> bool:
+    """True when two adjacent rows of an ORDER BY result tie on the sort key (within LIMIT + 1).
+
+    The row order of ties is up to the engine, so an equivalent query could legitimately return a
+    different list; such golds are not used.
+    """
+    order = tree.args.get("order")
+    if order is None or not isinstance(tree, exp.Select):
+        return False
+    probe = tree.copy()
+    probe.set("expressions", [o.this.copy() for o in order.expressions])
+    limit = tree.args.get("limit")
+    if limit is not None:
+        probe.set("limit", exp.Limit(expression=exp.Literal.number(int(limit.expression.this) + 1)))
+    keys = execute(conn, _DIALECT.generate(probe, copy=False))
+    return any(a == b for a, b in zip(keys, keys[1:]))
+
+
+# ----------------------------------------------------------------------------- schema view
+
+@dataclasses.dataclass(frozen=True)
+class SchemaInfo:
+    """Column classes of a demo schema: "id" (keys), "number" or "text"."""
+
+    columns: dict[str, dict[str, str]]  # table -> column -> class
+    steps: dict[tuple[str, str], float]  # (table, column) -> rounding step of its literals
+
+    @classmethod
+    def of(cls, schema: DemoSchema) -> "SchemaInfo":
+        return cls({t.name: {c.name: ("id" if c.is_key else c.spider_type) for c in t.columns}
+                    for t in schema.tables},
+                   {(t.name, c.name): c.step for t in schema.tables for c in t.columns})
+
+
+def _scope(node: exp.Expression) -> exp.Select | None:
+    return node.find_ancestor(exp.Select)
+
+
+def _scope_tables(select: exp.Select) -> dict[str, str]:
+    """Alias or name -> table name, for the tables of one SELECT's FROM clause."""
+    tables: dict[str, str] = {}
+    sources = [select.args["from_"].this] if select.args.get("from_") else []
+    sources += [j.this for j in select.args.get("joins") or []]
+    for source in sources:
+        if isinstance(source, exp.Table):
+            tables[source.alias_or_name] = source.name
+            tables[source.name] = source.name
+    return tables
+
+
+def column_table(column: exp.Column, info: SchemaInfo) -> str | None:
+    select = _scope(column)
+    if select is None:
+        return None
+    tables = _scope_tables(select)
+    if column.table:
+        return tables.get(column.table)
+    owners = [t for t in dict.fromkeys(tables.values()) if column.name in info.columns.get(t, {})]
+    return owners[0] if len(owners) == 1 else None
+
+
+# ----------------------------------------------------------------------------- clause of a node
+
+def _compound_name(node: exp.SetOperation) -> str:
+    if isinstance(node, exp.Union):
+        return "UNION" if node.args.get("distinct", True) else "UNION ALL"
+    return "INTERSECT" if isinstance(node, exp.Intersect) else "EXCEPT"
+
+
+def clause_of(node: exp.Expression) -> str:
+    """The top-level clause unit (caper_jax.sql.clauses naming) that contains ``node``."""
+    chain = []
+    while node.parent is not None:
+        chain.append((node.parent, node.arg_key))
+        node = node.parent
+    for parent, key in reversed(chain):
+        if isinstance(parent, exp.SetOperation):
+            if key == "expression":
+                return _compound_name(parent)
+            if key in ("order", "limit"):
+                return _ARG_CLAUSE[key]
+            continue
+        if isinstance(parent, exp.Select):
+            if key not in _ARG_CLAUSE:
+                raise ValueError(f"node under unsupported SELECT argument {key!r}")
+            return _ARG_CLAUSE[key]
+    raise ValueError("node is the root of the query, not inside a clause")
+
+
+def clause_rank(tree: exp.Expression, clause: str) -> int:
+    """Written position of a clause unit: first SELECT's clauses, then compound operators in order."""
+    if clause in CLAUSE_ORDER:
+        return CLAUSE_ORDER.index(clause)
+    operators = []
+    node = tree
+    while isinstance(node, exp.SetOperation):
+        operators.append(_compound_name(node))
+        node = node.this
+    return len(CLAUSE_ORDER) + operators[::-1].index(clause)
+
+
+# ----------------------------------------------------------------------------- mistakes
+
+@dataclasses.dataclass(frozen=True)
+class Edit:
+    """One change to a query tree, addressed by the node's position in ``tree.walk()`` order so that
+    it can be applied to any copy of the tree."""
+
+    kind: str
+    clause: str
+    index: int
+    action: "Action"
+
+
+def apply_edits(tree: exp.Expression, edits: Sequence[Edit]) -> exp.Expression:
+    copy = tree.copy()
+    nodes = list(copy.walk())
+    for edit in edits:
+        edit.action(nodes[edit.index])
+    return copy
+
+
+Action = Callable[[exp.Expression], None]  # mutates the addressed node of a tree copy in place
+AddEdit = Callable[..., None]  # add(kind, node, action, clause=None) inside mistake_edits
+
+
+def _replace_with(new: exp.Expression) -> Action:
+    return lambda node: node.replace(new.copy())
+
+
+class ValueSource:
+    """Distinct values of a column in the database, for literal mistakes."""
+
+    def __init__(self, conn: sqlite3.Connection):
+        self._conn = conn
+        self._cache: dict[tuple[str, str], list] = {}
+
+    def values(self, table: str, column: str) -> list:
+        key = (table, column)
+        if key not in self._cache:
+            rows = self._conn.execute(f"SELECT DISTINCT {column} FROM {table} WHERE {column} IS NOT NULL "
+                                      f"ORDER BY {column}").fetchall()
+            self._cache[key] = [r[0] for r in rows]
+        return self._cache[key]
+
+
+def _literal(value) -> exp.Literal:
+    if isinstance(value, str):
+        return exp.Literal.string(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return exp.Literal.number(value)
+
+
+def _compared_column(literal: exp.Literal) -> exp.Column | None:
+    parent = literal.parent
+    if isinstance(parent, (*_COMPARISONS, exp.Like, exp.Between)):
+        column = parent.this
+        return column if isinstance(column, exp.Column) else None
+    return None
+
+
+def mistake_edits(tree: exp.Expression, info: SchemaInfo, values: ValueSource,
+                  rng: random.Random) -> list[Edit]:
+    """Every single mistake this catalogue can make on ``tree`` (one random variant per site)."""
+    edits: list[Edit] = []
+    nodes = list(tree.walk())
+    position = {id(node): i for i, node in enumerate(nodes)}  # identity: equal subtrees are distinct sites
+
+    def add(kind: str, node: exp.Expression, action: Action, clause: str | None = None) -> None:
+        edits.append(Edit(kind, clause or clause_of(node), position[id(node)], action))
+
+    for node in nodes:
+        if isinstance(node, exp.Select):
+            _select_edits(node, info, values, rng, add)
+        elif node.parent is None:
+            continue
+        elif isinstance(node, exp.Column):
+            _column_edits(node, info, rng, add)
+        elif isinstance(node, exp.Table) and isinstance(node.parent, exp.From):
+            _table_edit(node, info, rng, add)
+        elif isinstance(node, _COMPARISONS) and not node.find_ancestor(exp.Join):
+            _operator_edit(node, rng, add)
+        elif isinstance(node, (exp.And, exp.Or)):
+            flipped = (exp.Or if isinstance(node, exp.And) else exp.And)(
+                this=node.this.copy(), expression=node.expression.copy())
+            add("wrong_connective", node, _replace_with(flipped))
+            if isinstance(node, exp.And) and isinstance(node.parent, (exp.Where, exp.Having)):
+                kept = rng.choice([node.this, node.expression])
+                add("missing_condition", node, _replace_with(kept))
+        elif isinstance(node, exp.Where) and not isinstance(node.this, (exp.And, exp.Or)):
+            add("missing_condition", node, lambda n: n.pop())
+        elif isinstance(node, exp.Literal):
+            _literal_edit(node, info, values, rng, add)
+        elif isinstance(node, exp.Ordered):
+            add("wrong_order_direction", node, _replace_with(
+                exp.Ordered(this=node.this.copy(), desc=not node.args.get("desc"), nulls_first=False)))
+        elif isinstance(node, _AGGREGATES):
+            other = rng.choice([a for a in _AGGREGATES if not isinstance(node, a)])
+            add("wrong_aggregate", node, _replace_with(other(this=node.this.copy())))
+        elif isinstance(node, exp.Distinct):
+            if isinstance(node.parent, exp.Select):
+                add("missing_distinct", node, lambda n: n.pop())
+            elif isinstance(node.parent, exp.Count) and len(node.expressions) == 1:
+                add("missing_distinct", node, _replace_with(node.expressions[0]))
+    return edits
+
+
+def _column_edits(node: exp.Column, info: SchemaInfo, rng: random.Random, add: AddEdit) -> None:
+    table = column_table(node, info)
+    if table is None:
+        return
+    classes = info.columns[table]
+    kind_of_column = classes.get(node.name)
+    in_join = node.find_ancestor(exp.Join) is not None
+    in_group = isinstance(node.parent, exp.Group)
+    alternatives = [c for c, k in classes.items() if k == kind_of_column and c != node.name]
+    if in_group:
+        alternatives = [c for c, k in classes.items() if k != "id" and c != node.name]
+    if not alternatives:
+        return
+    new = exp.column(rng.choice(alternatives), table=node.table or None)
+    kind = "wrong_join_key" if in_join else "wrong_group_by" if in_group else "wrong_column"
+    add(kind, node, _replace_with(new))
+
+
+def _table_edit(node: exp.Table, info: SchemaInfo, rng: random.Random, add: AddEdit) -> None:
+    select = _scope(node)
+    if select is None or select.args.get("joins"):
+        return
+    used = [c for c in select.find_all(exp.Column) if _scope(c) is select]
+    if any(c.table for c in used):
+        return
+    needed = {c.name: info.columns[node.name].get(c.name) for c in used}
+    fits = [t for t, cols in info.columns.items()
+            if t != node.name and all(cols.get(c) == k for c, k in needed.items())]
+    if fits:
+        add("wrong_table", node, _replace_with(exp.to_table(rng.choice(fits))))
+
+
+def _operator_edit(node: exp.Expression, rng: random.Random, add: AddEdit) -> None:
+    right = node.expression
+    if isinstance(right, exp.Literal) and right.is_string:
+        choices = [exp.NEQ] if isinstance(node, exp.EQ) else [exp.EQ] if isinstance(node, exp.NEQ) else []
+    else:
+        choices = [op for op in _NUMERIC_OPS if not isinstance(node, op)]
+        # > and >= (< and <=) differ only on ties: prefer the mistakes that flip the direction.
+        flips = [op for op in choices if (op in (exp.LT, exp.LTE)) != isinstance(node, (exp.LT, exp.LTE))]
+        choices = flips if rng.random() < 0.7 and flips else choices
+    if choices:
+        op = rng.choice(choices)
+        add("wrong_operator", node, _replace_with(op(this=node.this.copy(), expression=right.copy())))
+
+
+def _literal_edit(node: exp.Literal, info: SchemaInfo, values: ValueSource, rng: random.Random,
+                  add: AddEdit) -> None:
+    if isinstance(node.parent, exp.Limit):
+        current = int(node.this)
+        new = rng.choice([k for k in (1, 2, 3, 5, 10) if k != current])
+        add("wrong_limit", node, _replace_with(exp.Literal.number(new)))
+        return
+    column = _compared_column(node)
+    clause = clause_of(node)
+    if column is None:
+        # A threshold on an aggregate (HAVING COUNT(*) > 3): move it by a plausible amount.
+        if node.is_string or not isinstance(node.parent, _COMPARISONS):
+            return
+        value = float(node.this)
+        delta = max(1, round(abs(value) * 0.25)) * rng.choice([-2, -1, 1, 2])
+        new = _literal(value + delta)
+    else:
+        table = column_table(column, info)
+        if table is None:
+            return
+        if isinstance(node.parent, exp.Like):
+            pattern = node.this
+            letters = sorted({str(v)[:1] for v in values.values(table, column.name)} - {pattern[:1]})
+            if not letters:
+                return
+            new = _literal(rng.choice(letters) + pattern[1:])
+        elif node.is_string:
+            pool = [v for v in values.values(table, column.name) if v != node.this]
+            if not pool:
+                return
+            new = _literal(rng.choice(pool))
+        else:
+            # A nearby round number, as a misread or mis-copied threshold would be.
+            step = info.steps.get((table, column.name), 1)
+            new = _literal(float(node.this) + step * rng.choice([-4, -3, -2, -1, 1, 2, 3, 4]))
+    kind = "wrong_having_threshold" if clause == "HAVING" and not node.is_string else "wrong_literal"
+    add(kind, node, _replace_with(new))
+
+
+def _select_edits(select: exp.Select, info: SchemaInfo, values: ValueSource, rng: random.Random,
+                  add: AddEdit) -> None:
+    projections = select.expressions
+    if len(projections) >= 2 and _scope(select) is None:
+        dropped = rng.randrange(len(projections))
+        kept = [p.copy() for i, p in enumerate(projections) if i != dropped]
+        add("missing_column", projections[dropped], lambda n, kept=kept: n.parent.set("expressions", kept))
+    tables = _scope_tables(select)
+    if _scope(select) is not None or not tables:
+        return
+    # An extra filter on a column of the first table: a plausible over-constraint.
+    first = select.args["from_"].this
+    if not isinstance(first, exp.Table):
+        return
+    # Not a column the query already filters on (that reads as a contradiction, not a slip), and
+    # not a near-unique one such as a name (a filter on one row is not a plausible addition).
+    where = select.args.get("where")
+    filtered = {c.name for c in where.find_all(exp.Column)} if where is not None else set()
+    candidates = [c for c, k in info.columns[first.name].items()
+                  if k in ("text", "number") and c not in filtered
+                  and 2 <= len(values.values(first.name, c)) <= _MAX_FILTER_VALUES]
+    if not candidates:
+        return
+    column_name = rng.choice(candidates)
+    pool = values.values(first.name, column_name)
+    value = rng.choice(pool[len(pool) // 5: max(len(pool) // 5 + 1, 4 * len(pool) // 5)])
+    qualifier = first.alias_or_name if select.args.get("joins") else None
+    column = exp.column(column_name, table=qualifier)
+    op = exp.EQ if isinstance(value, str) else rng.choice([exp.GT, exp.LT])
+    condition = op(this=column, expression=_literal(value))
+    clause = clause_of(projections[0])
+    clause = clause if clause not in CLAUSE_ORDER else "WHERE"
+
+    def extend(node: exp.Expression) -> None:
+        where = node.args.get("where")
+        if where is None:
+            node.set("where", exp.Where(this=condition.copy()))
+        else:
+            where.set("this", exp.And(this=where.this.copy(), expression=condition.copy()))
+    add("extra_condition", select, extend, clause=clause)
+
+
+# ----------------------------------------------------------------------------- surface variants
+
+def surface_variants(tree: exp.Expression, gold: str, info: SchemaInfo) -> dict[str, str]:
+    """Rewrites that change the text but never the meaning, keyed by variant name."""
+    variants = {"keyword_case": _lowercase(gold)}
+    if "<>" in gold:
+        variants["neq_spelling"] = _replace_tokens(gold, TokenType.NEQ, "!=")
+    aliased = _with_aliases(tree, info)
+    if aliased is not None:
+        variants["table_aliases"] = render(aliased)
+    conj = next((n for n in tree.find_all(exp.And)), None)
+    if conj is not None:
+        swapped = tree.copy()
+        node = next(n for n in swapped.find_all(exp.And))
+        node.replace(exp.And(this=node.expression.copy(), expression=node.this.copy()))
+        variants["commuted_conjuncts"] = render(swapped)
+    join_eq = next((n for n in tree.find_all(exp.EQ) if n.find_ancestor(exp.Join)), None)
+    if join_eq is not None:
+        swapped = tree.copy()
+        node = next(n for n in swapped.find_all(exp.EQ) if n.find_ancestor(exp.Join))
+        node.replace(exp.EQ(this=node.expression.copy(), expression=node.this.copy()))
+        variants["commuted_join_condition"] = render(swapped)
+    return {name: text for name, text in variants.items() if text != gold}
+
+
+def _lowercase(sql: str) -> str:
+    out, cursor = [], 0
+    for token in _DIALECT.tokenize(sql):
+        if token.token_type in (TokenType.STRING, TokenType.IDENTIFIER):
+            continue
+        out.append(sql[cursor:token.start])
+        out.append(sql[token.start:token.end + 1].lower())
+        cursor = token.end + 1
+    out.append(sql[cursor:])
+    return "".join(out)
+
+
+def _replace_tokens(sql: str, token_type: TokenType, text: str) -> str:
+    out, cursor = [], 0
+    for token in _DIALECT.tokenize(sql):
+        if token.token_type == token_type:
+            out.append(sql[cursor:token.start] + text)
+            cursor = token.end + 1
+    out.append(sql[cursor:])
+    return "".join(out)
+
+
+def _with_aliases(tree: exp.Expression, info: SchemaInfo) -> exp.Expression | None:
+    """Spider-style ``FROM product AS T1 JOIN supplier AS T2`` with every column qualified."""
+    copy = tree.copy()
+    count = 0
+    for select in list(copy.find_all(exp.Select)):
+        tables = [select.args["from_"].this] if select.args.get("from_") else []
+        tables += [j.this for j in select.args.get("joins") or []]
+        if not tables or not all(isinstance(t, exp.Table) and not t.alias for t in tables):
+            continue
+        columns = [c for c in select.find_all(exp.Column) if _scope(c) is select]
+        owners = [column_table(c, info) for c in columns]
+        if any(o is None for o in owners):
+            return None
+        alias = {}
+        for table in tables:
+            count += 1
+            alias[table.name] = f"T{count}"
+        for column, owner in zip(columns, owners):
+            column.set("table", exp.to_identifier(alias[owner]))
+        for table in tables:
+            table.set("alias", exp.TableAlias(this=exp.to_identifier(alias[table.name])))
+    return copy if count else None
+
+
+# ----------------------------------------------------------------------------- predictions
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    pred: str
+    kind: str  # exact | surface | error | double_error
+    error_kind: str
+    true_root_clause: str | None
+    errors: tuple[dict, ...]
+
+
+class Predictor:
+    """Makes one verified prediction per gold query of one database."""
+
+    def __init__(self, conn: sqlite3.Connection, schema: DemoSchema, mix: dict[str, float] | None = None,
+                 max_tries: int = 24):
+        self.conn = conn
+        self.info = SchemaInfo.of(schema)
+        self.values = ValueSource(conn)
+        mix = dict(PREDICTION_MIX if mix is None else mix)
+        unknown = set(mix) - set(PREDICTION_MIX)
+        if unknown or any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
+            raise ValueError(f"prediction mix must weight {sorted(PREDICTION_MIX)} (>= 0, not all 0); got {mix}")
+        self.mix = mix
+        self.max_tries = max_tries
+
+    def predict(self, gold: str, rng: random.Random) -> Prediction:
+        kinds = [k for k in PREDICTION_MIX if self.mix.get(k, 0) > 0]
+        kind = rng.choices(kinds, weights=[self.mix[k] for k in kinds])[0]
+        tree = parse(gold)
+        gold_rows = execute(self.conn, gold)
+        ordered = has_order_by(tree)
+        # Fall back along double -> single -> surface -> exact when a query admits no such variant.
+        fallbacks = {"double_error": ["double_error", "error", "surface", "exact"],
+                     "error": ["error", "surface", "exact"], "surface": ["surface", "exact"], "exact": ["exact"]}
+        for attempt in fallbacks[kind]:
+            made = getattr(self, f"_{attempt}")(tree, gold, gold_rows, ordered, rng)
+            if made is not None:
+                return made
+        raise AssertionError("unreachable: an exact prediction always exists")
+
+    # Each maker takes (gold tree, gold text, gold rows, ordered?, rng) and returns None when the
+    # query admits no prediction of its kind.
+    def _exact(self, tree: exp.Expression, gold: str, gold_rows: Rows, ordered: bool,
+               rng: random.Random) -> Prediction:
+        return Prediction(gold, "exact", "exact", None, ())
+
+    def _surface(self, tree: exp.Expression, gold: str, gold_rows: Rows, ordered: bool,
+                 rng: random.Random) -> Prediction | None:
+        variants = surface_variants(tree, gold, self.info)
+        # A weighted random order: the rewrites that exist only for some queries come first more
+        # often, so they are not drowned by the two that apply to every query.
+        names = sorted(variants, key=lambda n: rng.random() ** (1 / SURFACE_WEIGHTS.get(n, 1.0)), reverse=True)
+        for name in names:
+            if self._result_equal(variants[name], gold_rows, ordered):
+                return Prediction(variants[name], "surface", f"surface:{name}", None, ())
+        return None
+
+    def _error(self, tree: exp.Expression, gold: str, gold_rows: Rows, ordered: bool,
+               rng: random.Random) -> Prediction | None:
+        edits = mistake_edits(tree, self.info, self.values, rng)
+        by_kind = collections.defaultdict(list)
+        for edit in edits:
+            by_kind[edit.kind].append(edit)
+        kinds = sorted(by_kind)
+        for _ in range(self.max_tries):
+            if not kinds:
+                return None
+            edit = rng.choice(by_kind[rng.choice(kinds)])
+            pred = self._changes_result(tree, [edit], gold, gold_rows, ordered)
+            if pred is not None:
+                return Prediction(pred, "error", edit.kind, edit.clause,
+                                  ({"kind": edit.kind, "clause": edit.clause},))
+        return None
+
+    def _double_error(self, tree: exp.Expression, gold: str, gold_rows: Rows, ordered: bool,
+                      rng: random.Random) -> Prediction | None:
+        edits = _kind_balanced(mistake_edits(tree, self.info, self.values, rng), rng)
+        nodes = list(tree.walk())
+        good: list[Edit] = []  # single mistakes verified to change the result on their own
+        tries = 0
+        for edit in edits:
+            if tries >= self.max_tries:
+                break
+            tries += 1
+            if self._changes_result(tree, [edit], gold, gold_rows, ordered) is None:
+                continue
+            for other in good:
+                if other.kind == edit.kind or not _disjoint(nodes[other.index], nodes[edit.index]):
+                    continue
+                first, second = sorted((other, edit), key=lambda e: (clause_rank(tree, e.clause), e.index))
+                pred = self._changes_result(tree, [first, second], gold, gold_rows, ordered)
+                if pred is not None:
+                    errors = tuple({"kind": e.kind, "clause": e.clause} for e in (first, second))
+                    return Prediction(pred, "double_error", f"{first.kind}+{second.kind}", first.clause, errors)
+            good.append(edit)
+        return None
+
+    def _changes_result(self, tree: exp.Expression, edits: Sequence[Edit], gold: str, gold_rows: Rows,
+                        ordered: bool) -> str | None:
+        """The predicted text if the edits run and change the result, else None."""
+        try:
+            pred = render(apply_edits(tree, edits))
+            rows = execute(self.conn, pred)
+        except (sqlite3.Error, sqlglot.errors.SqlglotError):
+            return None
+        if pred == gold or same_result(gold_rows, rows, ordered=ordered):
+            return None
+        return pred
+
+    def _result_equal(self, pred: str, gold_rows: Rows, ordered: bool) -> bool:
+        try:
+            rows = execute(self.conn, pred)
+        except sqlite3.Error:
+            return False
+        return same_result(gold_rows, rows, ordered=ordered, permute_columns=False)
+
+
+def _kind_balanced(edits: list[Edit], rng: random.Random) -> list[Edit]:
+    """Edits interleaved kind by kind, so kinds with many sites (columns) do not crowd out the rest."""
+    by_kind = collections.defaultdict(list)
+    for edit in edits:
+        by_kind[edit.kind].append(edit)
+    queues = [by_kind[k] for k in sorted(by_kind)]
+    for queue in queues:
+        rng.shuffle(queue)
+    rng.shuffle(queues)
+    return [e for group in itertools.zip_longest(*queues) for e in group if e is not None]
+
+
+def _disjoint(a: exp.Expression, b: exp.Expression) -> bool:
+    return a is not b and not any(n is b for n in a.walk()) and not any(n is a for n in b.walk())

@@ -1,0 +1,256 @@
+"""The demo world against independent references: SQLite itself (schemas, results), sqlglot's parser
+(SQL constructs), and a token-level diff of gold and prediction (root clauses)."""
+import collections
+import functools
+import itertools
+import json
+import pathlib
+import sqlite3
+
+import pytest
+import sqlglot
+from sqlglot import exp
+from sqlglot.dialects.sqlite import SQLite
+from sqlglot.tokens import TokenType
+
+from caper_jax.data.demo_templates import TEMPLATES
+from caper_jax.data.demo_world import build_demo_world
+
+MISTAKE_KINDS = {"wrong_column", "wrong_join_key", "wrong_table", "wrong_operator", "wrong_connective",
+                 "wrong_literal", "missing_condition", "extra_condition", "wrong_aggregate", "wrong_group_by",
+                 "wrong_having_threshold", "wrong_order_direction", "wrong_limit", "missing_distinct",
+                 "missing_column"}
+SURFACE_KINDS = {"keyword_case", "neq_spelling", "table_aliases", "commuted_conjuncts", "commuted_join_condition"}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> pathlib.Path:
+    return build_demo_world(tmp_path_factory.mktemp("demo"), seed=0)
+
+
+def _load(world, name):
+    path = world / name
+    if name.endswith(".jsonl"):
+        return [json.loads(line) for line in path.read_text().splitlines()]
+    return json.loads(path.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def _connect(world, db_id):
+    return sqlite3.connect(f"file:{world / 'database' / db_id / f'{db_id}.sqlite'}?mode=ro", uri=True)
+
+
+def _rows(conn, sql):
+    return [tuple(r) for r in conn.execute(sql).fetchall()]
+
+
+def _equal(gold, pred, ordered):
+    """Spider's comparison written out: same rows as a list (ordered) or multiset, any column order."""
+    if len(gold) != len(pred) or (gold and len(gold[0]) != len(pred[0])):
+        return False
+    if not gold:
+        return True
+    for perm in itertools.permutations(range(len(gold[0]))):
+        p = [tuple(r[i] for i in perm) for r in pred]
+        if (p == gold) if ordered else (sorted(map(repr, p)) == sorted(map(repr, gold))):
+            return True
+    return False
+
+
+def test_layout_sizes_and_fields(world):
+    train, dev = _load(world, "train.json"), _load(world, "dev.json")
+    assert (len(train), len(dev)) == (1500, 300)
+    for example in train + dev:
+        assert {"db_id", "question", "query", "template_id", "paraphrase_id"} <= set(example)
+    tables = _load(world, "tables.json")
+    assert len(tables) >= 5 and all(entry["foreign_keys"] for entry in tables)
+    for split, n in (("train", 1500), ("dev", 300)):
+        predictions = _load(world, f"predictions_{split}.jsonl")
+        assert [p["index"] for p in predictions] == list(range(n))
+        examples = train if split == "train" else dev
+        assert all(p["gold"] == examples[p["index"]]["query"] and p["split"] == split for p in predictions)
+
+
+def test_tables_json_matches_sqlite(world):
+    for entry in _load(world, "tables.json"):
+        conn = _connect(world, entry["db_id"])
+        names = entry["table_names_original"]
+        assert sorted(names) == sorted(r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'"))
+        columns = entry["column_names_original"]
+        for t, table in enumerate(names):
+            info = conn.execute(f"PRAGMA table_info({table})").fetchall()
+            assert [r[1] for r in info] == [c for i, c in columns if i == t]
+            pk = [r[1] for r in info if r[5]]
+            assert pk == [columns[k][1] for k in entry["primary_keys"] if columns[k][0] == t]
+            fks = {(r[3], r[2], r[4]) for r in conn.execute(f"PRAGMA foreign_key_list({table})")}
+            expected = {(columns[a][1], names[columns[b][0]], columns[b][1])
+                        for a, b in entry["foreign_keys"] if columns[a][0] == t}
+            assert fks == expected
+            count = conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+            assert count >= 10
+        total = sum(conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in names)
+        assert 300 <= total <= 1000  # "a few hundred rows" per database
+        types = {"INTEGER": "number", "REAL": "number", "TEXT": "text"}
+        for (t, name), spider_type in zip(columns[1:], entry["column_types"][1:]):
+            declared = {r[1]: r[2] for r in conn.execute(f"PRAGMA table_info({names[t]})")}[name]
+            assert types[declared] == spider_type
+
+
+def test_every_gold_runs_and_returns_rows(world):
+    for example in _load(world, "train.json") + _load(world, "dev.json"):
+        conn = _connect(world, example["db_id"])
+        rows = _rows(conn, example["query"])
+        assert rows and any(v is not None for r in rows for v in r), example
+
+
+def test_templates_cover_every_clause_type(world):
+    assert len(TEMPLATES) >= 30
+    train = _load(world, "train.json")
+    seen = collections.Counter()
+    for example in train:
+        tree = sqlglot.parse_one(example["query"], read="sqlite")
+        for node in tree.walk():
+            seen[type(node).__name__] += 1
+            if isinstance(node, exp.Ordered):
+                seen["DESC" if node.args.get("desc") else "ASC"] += 1
+            if isinstance(node, exp.Subquery) and node.find(exp.Avg):
+                seen["scalar AVG subquery"] += 1
+            if isinstance(node, exp.Not) and isinstance(node.this, exp.In):
+                seen["NOT IN"] += 1
+    needed = ["Join", "Where", "EQ", "NEQ", "GT", "LT", "And", "Or", "Like", "Between", "Group", "Having",
+              "Order", "ASC", "DESC", "Limit", "In", "NOT IN", "scalar AVG subquery", "Intersect", "Except",
+              "Union", "Distinct", "Count", "Avg", "Sum", "Min", "Max"]
+    assert not [n for n in needed if seen[n] == 0], seen
+    paraphrases = collections.defaultdict(set)
+    for example in train:
+        paraphrases[example["template_id"]].add(example["paraphrase_id"])
+    assert set(paraphrases) == {t.id for t in TEMPLATES}
+    assert all(len(p) >= 2 for p in paraphrases.values()), paraphrases
+
+
+def _literal_keys(example):
+    """(db, compared expression, GROUP BY, literal) for every literal compared with something."""
+    def bare(node):
+        node = node.copy()
+        for column in node.find_all(exp.Column):
+            column.set("table", None)
+        return node.sql()
+    tree = sqlglot.parse_one(example["query"], read="sqlite")
+    keys = set()
+    for literal in tree.find_all(exp.Literal):
+        parent = literal.parent
+        if isinstance(parent, exp.Limit) or not isinstance(parent, (exp.Binary, exp.Between, exp.Like)):
+            continue
+        select = literal.find_ancestor(exp.Select)
+        group = select.args.get("group") if select else None
+        group = bare(group) if group is not None and literal.find_ancestor(exp.Having) else ""
+        keys.add((example["db_id"], bare(parent.this), group, literal.this))
+    return keys
+
+
+def test_split_by_template_and_value(world):
+    train, dev = _load(world, "train.json"), _load(world, "dev.json")
+    train_pairs = {(e["template_id"], e["db_id"]) for e in train}
+    dev_pairs = {(e["template_id"], e["db_id"]) for e in dev}
+    assert not train_pairs & dev_pairs
+    # Every template is in both splits; in dev, on exactly one database.
+    dev_dbs = collections.defaultdict(set)
+    for template, db in dev_pairs:
+        dev_dbs[template].add(db)
+    assert set(dev_dbs) == {t for t, _ in train_pairs} and all(len(d) == 1 for d in dev_dbs.values())
+    train_literals = set().union(*map(_literal_keys, train))
+    dev_literals = set().union(*map(_literal_keys, dev))
+    assert dev_literals and not train_literals & dev_literals
+    assert not {(e["db_id"], e["question"]) for e in train} & {(e["db_id"], e["question"]) for e in dev}
+
+
+def test_predictions_verified_by_sqlite(world):
+    counts = collections.Counter()
+    for split in ("train", "dev"):
+        for p in _load(world, f"predictions_{split}.jsonl"):
+            conn = _connect(world, p["db_id"])
+            gold = _rows(conn, p["gold"])
+            ordered = sqlglot.parse_one(p["gold"], read="sqlite").args.get("order") is not None
+            pred = _rows(conn, p["pred"])
+            counts[p["kind"]] += 1
+            if p["kind"] == "exact":
+                assert p["pred"] == p["gold"] and p["true_root_clause"] is None
+            elif p["kind"] == "surface":
+                assert p["pred"] != p["gold"] and p["true_root_clause"] is None
+                assert pred == gold if ordered else sorted(map(repr, pred)) == sorted(map(repr, gold))
+                assert p["error_kind"].split(":")[1] in SURFACE_KINDS
+            else:
+                assert not _equal(gold, pred, ordered), p
+                n_errors = 1 if p["kind"] == "error" else 2
+                assert len(p["errors"]) == n_errors and p["error_kind"] == "+".join(e["kind"] for e in p["errors"])
+                assert p["true_root_clause"] == p["errors"][0]["clause"]
+    assert all(counts[k] > 0 for k in ("exact", "surface", "error", "double_error")), counts
+
+
+_UNIT = {TokenType.SELECT: "SELECT", TokenType.FROM: "FROM", TokenType.WHERE: "WHERE",
+         TokenType.GROUP_BY: "GROUP BY", TokenType.HAVING: "HAVING", TokenType.ORDER_BY: "ORDER BY",
+         TokenType.LIMIT: "LIMIT", TokenType.UNION: "UNION", TokenType.INTERSECT: "INTERSECT",
+         TokenType.EXCEPT: "EXCEPT"}
+
+
+def _clause_at(tokens, position):
+    """The clause a token position lies in, from depth-0 keywords (compound operators own the rest)."""
+    clause, depth = None, 0
+    for token in tokens[:position + 1]:
+        depth += (token.token_type == TokenType.L_PAREN) - (token.token_type == TokenType.R_PAREN)
+        name = _UNIT.get(token.token_type)
+        if depth == 0 and name and clause not in ("UNION", "INTERSECT", "EXCEPT"):
+            clause = name
+    return clause
+
+
+def test_root_clause_matches_first_textual_difference(world):
+    dialect = SQLite()
+    checked = 0
+    for p in _load(world, "predictions_train.jsonl") + _load(world, "predictions_dev.jsonl"):
+        if p["kind"] not in ("error", "double_error"):
+            continue
+        gold, pred = dialect.tokenize(p["gold"]), dialect.tokenize(p["pred"])
+        i = next(i for i, (a, b) in enumerate(itertools.zip_longest(gold, pred))
+                 if a is None or b is None or (a.token_type, a.text) != (b.token_type, b.text))
+        # A deletion shows in the gold's tokens, an insertion in the prediction's.
+        candidates = {_clause_at(gold, i) if i < len(gold) else None, _clause_at(pred, i) if i < len(pred) else None}
+        assert p["true_root_clause"] in candidates, p
+        checked += 1
+    assert checked > 1000
+
+
+def test_catalogue_is_covered(world):
+    predictions = _load(world, "predictions_train.jsonl")
+    kinds = collections.Counter(e["kind"] for p in predictions for e in p["errors"])
+    assert set(kinds) <= MISTAKE_KINDS
+    assert set(kinds) == MISTAKE_KINDS, kinds
+    surface = {p["error_kind"].split(":")[1] for p in predictions if p["kind"] == "surface"}
+    assert surface == SURFACE_KINDS
+
+
+def test_build_is_deterministic_and_seeded(tmp_path):
+    a = build_demo_world(tmp_path / "a", seed=3, train_size=120, dev_size=40)
+    b = build_demo_world(tmp_path / "b", seed=3, train_size=120, dev_size=40)
+    c = build_demo_world(tmp_path / "c", seed=4, train_size=120, dev_size=40)
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
+    assert (a / "train.json").read_bytes() != (c / "train.json").read_bytes()
+    assert (a / "database/shop/shop.sqlite").read_bytes() != (c / "database/shop/shop.sqlite").read_bytes()
+
+
+def test_finished_build_is_reused_and_settings_rebuild(tmp_path):
+    out = build_demo_world(tmp_path, seed=0, train_size=60, dev_size=20)
+    stamp = (out / "train.json").stat().st_mtime_ns
+    build_demo_world(tmp_path, seed=0, train_size=60, dev_size=20)
+    assert (out / "train.json").stat().st_mtime_ns == stamp
+    build_demo_world(tmp_path, seed=0, train_size=61, dev_size=20)
+    assert len(_load(out, "train.json")) == 61
+
+
+def test_bad_arguments_raise(tmp_path):
+    with pytest.raises(ValueError, match="positive"):
+        build_demo_world(tmp_path, train_size=0)
+    with pytest.raises(ValueError, match="prediction mix"):
+        build_demo_world(tmp_path, train_size=20, dev_size=10, prediction_mix={"wrong": 1.0})
