@@ -1,0 +1,197 @@
+"""Reward layouts of the three GRPO variants, in one code path.
+
+A layout turns per-token PRM scores and execution rewards into *units*: each unit ends at one token,
+owns the tokens from just after the previous unit's end up to its own end, and carries one reward.
+The three variants differ only in where units end and whether the PRM score enters the reward:
+
+| variant  | unit ends                        | unit reward                                        |
+|----------|----------------------------------|----------------------------------------------------|
+| `sparse` | the last completion token        | execution reward                                   |
+| `clause` | each clause's last token (CAPER) | PRM score there (+ execution reward on the last)   |
+| `token`  | every completion token           | PRM score there (+ execution reward on the last)   |
+
+A causal PRM scores every prefix in one forward pass, so ``prm_scores[b, t]`` is the score of the
+completion up to and including token ``t`` and a unit's PRM reward is a gather at its end.
+
+A completion that does not parse falls back to a single unit ending at its last token with the
+execution-failure reward minus the format penalty, and no PRM reward: the PRM was trained on
+well-formed clauses and its score on broken SQL means nothing. A parsed completion none of whose clause
+ends lies inside the completion gets the same single unit, with its own execution reward.
+Tokens after the last unit end (e.g. a trailing ``;`` or EOS) belong to the last unit.
+
+Unit ends are sorted and de-duplicated inside the layout (two clauses that end inside the same token
+share one PRM score; the later duplicate is dropped), so the output has no holes: units ``0..n-1``
+are valid and ``n..K-1`` are padding, which is what the return-to-go in ``clause_advantages`` expects.
+
+``spans_to_token_ends`` is the host-side bridge from ``caper_jax.sql.clauses.split_clauses`` character
+spans to token positions, using a tokenizer's offset mapping.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Iterable, Literal, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+Variant = Literal["sparse", "clause", "token"]
+VARIANTS: tuple[str, ...] = ("sparse", "clause", "token")
+
+
+def _last_token(token_mask: Array) -> Array:
+    """Index of each row's last masked token, -1 for an empty row."""
+    positions = jnp.arange(token_mask.shape[1], dtype=jnp.int32)
+    return jnp.max(jnp.where(token_mask, positions, -1), axis=1)
+
+
+def _sorted_unique_ends(ends: Array, valid: Array, sentinel: int) -> tuple[Array, Array]:
+    """Sorts each row's valid ends to the front and drops repeated positions."""
+    ends = jnp.sort(jnp.where(valid, ends, sentinel), axis=1)
+    repeated = jnp.concatenate([jnp.zeros_like(ends[:, :1], dtype=bool), ends[:, 1:] == ends[:, :-1]],
+                               axis=1)
+    ends = jnp.sort(jnp.where(repeated, sentinel, ends), axis=1)
+    return ends, ends < sentinel
+
+
+@functools.partial(jax.jit, static_argnames=("variant",))
+def layout_rewards(
+    variant: Variant,
+    prm_scores: Array,
+    clause_ends: Array,
+    exec_rewards: Array,
+    token_mask: Array,
+    parse_ok: Array,
+    *,
+    prm_weight: float | Array = 1.0,
+    exec_failure_reward: float | Array = 0.0,
+    format_penalty: float | Array = 0.0,
+) -> tuple[Array, Array, Array]:
+    """Unit rewards for ``clause_advantages``.
+
+    Args:
+      variant: ``"sparse"``, ``"clause"`` or ``"token"`` (static).
+      prm_scores: ``[B, T]`` PRM score of the prefix ending at each token.
+      clause_ends: ``[B, K]`` int token index of each clause's last token, -1 for padding. Ignored by
+        ``sparse`` and ``token``. Ends outside the completion (token_mask 0) are dropped.
+      exec_rewards: ``[B]`` execution reward of each completion.
+      token_mask: ``[B, T]`` 1 on completion tokens.
+      parse_ok: ``[B]`` bool, the completion parsed into clauses.
+      prm_weight: scale of the PRM score relative to the execution reward.
+      exec_failure_reward: the reward that replaces ``exec_rewards`` for completions that do not parse.
+      format_penalty: subtracted from that reward for completions that do not parse (>= 0).
+
+    Returns:
+      ``(clause_rewards [B, U] fp32, clause_mask [B, U] bool, token_clause [B, T] int32)`` with
+      ``U = 1`` (sparse), ``K`` (clause) or ``T`` (token); ``token_clause`` is -1 off the completion.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown reward variant {variant!r}; expected one of {VARIANTS}")
+    batch, length = token_mask.shape
+    if prm_scores.shape != (batch, length):
+        raise ValueError(f"prm_scores {prm_scores.shape} must match token_mask {token_mask.shape}")
+    if clause_ends.ndim != 2 or clause_ends.shape[0] != batch:
+        raise ValueError(f"clause_ends {clause_ends.shape} must be [B={batch}, K]")
+    if exec_rewards.shape != (batch,) or parse_ok.shape != (batch,):
+        raise ValueError(f"exec_rewards {exec_rewards.shape} and parse_ok {parse_ok.shape} must be [B]")
+
+    token_mask = token_mask.astype(bool)
+    parse_ok = parse_ok.astype(bool)
+    last = _last_token(token_mask)
+    positions = jnp.arange(length, dtype=jnp.int32)
+
+    if variant == "sparse":
+        ends, valid = last[:, None], (last >= 0)[:, None]
+    elif variant == "clause":
+        ends = clause_ends.astype(jnp.int32)
+        in_range = (ends >= 0) & (ends < length)
+        valid = in_range & jnp.take_along_axis(token_mask, jnp.clip(ends, 0, length - 1), axis=1)
+    else:
+        ends, valid = jnp.broadcast_to(positions, (batch, length)), token_mask
+
+    # Rows that cannot be scored clause by clause fall back to one unit at their last token.
+    structured = parse_ok & valid.any(axis=1)
+    single = jnp.zeros_like(ends).at[:, 0].set(last)
+    single_valid = jnp.zeros_like(valid).at[:, 0].set(last >= 0)
+    ends = jnp.where(structured[:, None], ends, single)
+    valid = jnp.where(structured[:, None], valid, single_valid)
+    ends, valid = _sorted_unique_ends(ends, valid, sentinel=length)
+
+    use_prm = float(variant != "sparse")
+    prm_at_end = jnp.take_along_axis(
+        prm_scores.astype(jnp.float32), jnp.clip(ends, 0, length - 1), axis=1)
+    prm_gain = jnp.where(structured, jnp.asarray(prm_weight, jnp.float32), 0.0) * use_prm
+    outcome = jnp.where(parse_ok, exec_rewards.astype(jnp.float32),
+                        jnp.asarray(exec_failure_reward, jnp.float32) - format_penalty)
+    units = valid.sum(axis=1)
+    is_last = jnp.arange(ends.shape[1]) == (units - 1)[:, None]
+    clause_rewards = jnp.where(valid, prm_gain[:, None] * prm_at_end + is_last * outcome[:, None], 0.0)
+
+    # Unit of token t = the first unit ending at or after t; tokens past the last end join the last unit.
+    first_end_at_or_after = jax.vmap(functools.partial(jnp.searchsorted, side="left"), in_axes=(0, None))
+    owner = first_end_at_or_after(ends, positions)
+    owner = jnp.minimum(owner, units[:, None] - 1).astype(jnp.int32)
+    token_clause = jnp.where(token_mask & (units[:, None] > 0), owner, -1)
+    return clause_rewards, valid, token_clause
+
+
+def _span_bounds(span) -> tuple[int, int]:
+    if hasattr(span, "start") and hasattr(span, "end"):
+        return int(span.start), int(span.end)
+    start, end = span
+    return int(start), int(end)
+
+
+def spans_to_token_ends(spans: Iterable, offsets: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
+    """Token index of the last token of each character span.
+
+    Args:
+      spans: ``(start, end)`` pairs (end exclusive) or objects with ``.start``/``.end`` such as
+        ``caper_jax.sql.clauses.ClauseUnit``, as character offsets into the tokenised text.
+      offsets: ``[T, 2]`` character ``(start, end)`` of each token (a Hugging Face tokenizer's
+        ``return_offsets_mapping=True``); empty tokens ``(s, s)`` such as special tokens are skipped.
+
+    Returns:
+      ``int32 [len(spans)]``: for each span, the token holding its last character ``end - 1``. A span
+      that ends inside a token maps to that token (the PRM must see the whole clause, so the score is
+      read once the token completing it has been generated); a character that falls between tokens
+      (e.g. whitespace a tokenizer leaves out of its offsets) maps to the last token before it.
+      Ends are non-decreasing when the spans are in text order.
+
+    Raises:
+      ValueError: an empty span, or a span ending before the first token or past the last one.
+    """
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    nonempty = np.flatnonzero(offsets[:, 1] > offsets[:, 0])
+    if nonempty.size == 0:
+        raise ValueError("offsets hold no non-empty token")
+    token_starts = offsets[nonempty, 0]
+    text_end = int(offsets[nonempty, 1].max())
+    ends = []
+    for span in spans:
+        start, end = _span_bounds(span)
+        if end <= start:
+            raise ValueError(f"empty or reversed span ({start}, {end})")
+        last_char = end - 1
+        if last_char >= text_end:
+            raise ValueError(f"span ({start}, {end}) ends past the tokenised text (ends at {text_end})")
+        slot = int(np.searchsorted(token_starts, last_char, side="right")) - 1
+        if slot < 0:
+            raise ValueError(f"span ({start}, {end}) ends before the first token")
+        ends.append(int(nonempty[slot]))
+    return np.asarray(ends, dtype=np.int32)
+
+
+def pad_clause_ends(rows: Sequence[Sequence[int]], max_clauses: int) -> np.ndarray:
+    """Stacks per-row clause ends into ``int32 [B, max_clauses]`` padded with -1.
+
+    Raises ValueError when a row has more than ``max_clauses`` ends (truncating would silently move
+    the execution reward to the wrong clause).
+    """
+    out = np.full((len(rows), max_clauses), -1, dtype=np.int32)
+    for i, row in enumerate(rows):
+        if len(row) > max_clauses:
+            raise ValueError(f"row {i} has {len(row)} clause ends > max_clauses {max_clauses}")
+        out[i, : len(row)] = row
+    return out

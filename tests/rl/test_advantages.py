@@ -1,0 +1,142 @@
+"""clause_advantages against hand-computed values and a naive Python loop."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from caper_jax.rl import clause_advantages
+
+
+def naive_advantages(rewards, clause_mask, token_clause, token_mask, group_size, gamma, eps=1e-6,
+                     scale_by_std=True):
+    """Element by element: pooled group statistics, then a discounted sum over later units."""
+    batch, units = rewards.shape
+    out = np.zeros(token_clause.shape, np.float64)
+    for g in range(batch // group_size):
+        rows = range(g * group_size, (g + 1) * group_size)
+        pool = [rewards[i, k] for i in rows for k in range(units) if clause_mask[i, k]]
+        mean = sum(pool) / max(len(pool), 1)
+        std = math.sqrt(sum((x - mean) ** 2 for x in pool) / max(len(pool), 1))
+        for i in rows:
+            norm = [((rewards[i, k] - mean) / (std + eps if scale_by_std else 1.0)) if clause_mask[i, k]
+                    else 0.0 for k in range(units)]
+            for t in range(token_clause.shape[1]):
+                k = token_clause[i, t]
+                if token_mask[i, t] and 0 <= k < units:
+                    out[i, t] = sum(gamma ** (j - k) * norm[j] for j in range(k, units))
+    return out
+
+
+# One group of two rows; row 1 has two clauses (third is padding), tokens -1 / mask 0 at the edges.
+REWARDS = np.array([[1.0, 0.0, 2.0], [0.0, 1.0, 7.0]], np.float32)
+CLAUSE_MASK = np.array([[1, 1, 1], [1, 1, 0]], bool)
+TOKEN_CLAUSE = np.array([[-1, 0, 0, 1, 2, 2, 2], [0, 0, 1, 1, 1, 0, 0]], np.int32)
+TOKEN_MASK = np.array([[0, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 0]], bool)
+# Pool {1, 0, 2, 0, 1}: mean 0.8, population variance 2.8 / 5 = 0.56.
+STD = math.sqrt(0.56)
+
+
+def run(gamma, **kwargs):
+    return np.asarray(clause_advantages(jnp.asarray(REWARDS), jnp.asarray(CLAUSE_MASK),
+                                        jnp.asarray(TOKEN_CLAUSE), jnp.asarray(TOKEN_MASK),
+                                        group_size=2, gamma=gamma, **kwargs))
+
+
+def test_hand_computed_gamma_one():
+    # Normalised: row 0 (.2, -.8, 1.2)/s, row 1 (-.8, .2)/s; return-to-go sums later clauses.
+    a0, a1, a2 = 0.6 / STD, 0.4 / STD, 1.2 / STD
+    b0, b1 = -0.6 / STD, 0.2 / STD
+    expected = np.array([[0, a0, a0, a1, a2, a2, 0], [b0, b0, b1, b1, b1, 0, 0]])
+    np.testing.assert_allclose(run(1.0), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_hand_computed_gamma_half():
+    # Row 0: .2 + .5(-.8) + .25(1.2) = .1; -.8 + .5(1.2) = -.2; 1.2.  Row 1: -.8 + .5(.2) = -.7; .2.
+    a0, a1, a2 = 0.1 / STD, -0.2 / STD, 1.2 / STD
+    b0, b1 = -0.7 / STD, 0.2 / STD
+    expected = np.array([[0, a0, a0, a1, a2, a2, 0], [b0, b0, b1, b1, b1, 0, 0]])
+    np.testing.assert_allclose(run(0.5), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_centre_only_drops_the_std_division():
+    expected = np.array([[0, 0.6, 0.6, 0.4, 1.2, 1.2, 0], [-0.6, -0.6, 0.2, 0.2, 0.2, 0, 0]])
+    np.testing.assert_allclose(run(1.0, scale_by_std=False), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_padding_reward_values_are_ignored():
+    # The padded clause of row 1 holds 7.0; it must not enter the statistics or any return.
+    swapped = REWARDS.copy()
+    swapped[1, 2] = -1e6
+    out = clause_advantages(jnp.asarray(swapped), jnp.asarray(CLAUSE_MASK), jnp.asarray(TOKEN_CLAUSE),
+                            jnp.asarray(TOKEN_MASK), group_size=2)
+    np.testing.assert_allclose(np.asarray(out), run(1.0), rtol=1e-6)
+
+
+def test_equal_rewards_give_zero_not_nan():
+    rewards = jnp.full((4, 3), 0.5)
+    out = clause_advantages(rewards, jnp.ones((4, 3), bool), jnp.zeros((4, 5), jnp.int32),
+                            jnp.ones((4, 5), bool), group_size=2)
+    assert np.all(np.asarray(out) == 0.0)
+
+
+def test_one_unit_per_row_is_outcome_grpo():
+    # The sparse layout: every token of a row gets (r - mean_group) / (std_group + eps).
+    rewards = np.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0], np.float32)
+    out = clause_advantages(jnp.asarray(rewards[:, None]), jnp.ones((6, 1), bool),
+                            jnp.zeros((6, 4), jnp.int32), jnp.ones((6, 4), bool), group_size=3)
+    groups = rewards.reshape(2, 3)
+    expected = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(np.asarray(out), np.repeat(expected.reshape(6, 1), 4, 1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9, 0.3])
+def test_matches_naive_loop_on_random_ragged_batches(gamma):
+    rng = np.random.default_rng(int(gamma * 10))
+    batch, units, length, group = 12, 6, 20, 4
+    counts = rng.integers(0, units + 1, batch)  # includes rows without any unit
+    clause_mask = np.arange(units)[None] < counts[:, None]
+    rewards = rng.normal(size=(batch, units)).astype(np.float32)
+    token_clause = rng.integers(-1, units + 2, (batch, length)).astype(np.int32)  # -1 and out of range
+    token_mask = rng.random((batch, length)) < 0.8
+    out = clause_advantages(jnp.asarray(rewards), jnp.asarray(clause_mask), jnp.asarray(token_clause),
+                            jnp.asarray(token_mask), group_size=group, gamma=gamma)
+    expected = naive_advantages(rewards, clause_mask, token_clause, token_mask, group, gamma)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-5)
+
+
+def test_groups_are_independent():
+    rng = np.random.default_rng(0)
+    rewards = rng.normal(size=(4, 3)).astype(np.float32)
+    args = (jnp.ones((4, 3), bool), jnp.asarray(rng.integers(0, 3, (4, 5)), jnp.int32), jnp.ones((4, 5)))
+    base = clause_advantages(jnp.asarray(rewards), *args, group_size=2)
+    shifted = rewards.copy()
+    shifted[2:] = shifted[2:] * 10 + 3  # an affine change of group 1 leaves every advantage as it was
+    shifted[:2, 0] += 1.0               # while a change in group 0 moves group 0 only
+    moved = clause_advantages(jnp.asarray(shifted), *args, group_size=2)
+    np.testing.assert_allclose(np.asarray(moved)[2:], np.asarray(base)[2:], rtol=1e-4, atol=1e-5)
+    assert not np.allclose(np.asarray(moved)[:2], np.asarray(base)[:2])
+
+
+def test_gamma_is_traceable():
+    grad = jax.grad(lambda g: run_traced(g).sum())(0.5)
+    assert np.isfinite(grad) and grad != 0.0
+
+
+def run_traced(gamma):
+    return clause_advantages(jnp.asarray(REWARDS), jnp.asarray(CLAUSE_MASK), jnp.asarray(TOKEN_CLAUSE),
+                             jnp.asarray(TOKEN_MASK), group_size=2, gamma=gamma)
+
+
+def test_bad_input_raises():
+    ok = dict(clause_rewards=jnp.zeros((4, 3)), clause_mask=jnp.ones((4, 3)),
+              token_clause=jnp.zeros((4, 5), jnp.int32), token_mask=jnp.ones((4, 5)))
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        clause_advantages(**ok, group_size=3)
+    with pytest.raises(TypeError, match="integer"):
+        clause_advantages(**{**ok, "token_clause": jnp.zeros((4, 5))}, group_size=2)
+    with pytest.raises(ValueError, match=r"\[B, K\]"):
+        clause_advantages(**{**ok, "clause_mask": jnp.ones((4, 2))}, group_size=2)
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        clause_advantages(**{**ok, "token_mask": jnp.ones((4, 6))}, group_size=2)
