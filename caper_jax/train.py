@@ -65,6 +65,8 @@ def parse_flags(argv: list[str]) -> list[str]:
 def main(argv: list[str]) -> None:
     del argv
     logging.getLogger("caper_jax").setLevel(logging.INFO)
+    # orbax and grain log every checkpoint phase at INFO through absl; keep the run's own lines readable.
+    logging.getLogger("absl").setLevel(logging.WARNING)
     config = _CONFIG.value
     if config is None:
         sys.exit("error: --config is required, e.g. --config=configs/prm.py")

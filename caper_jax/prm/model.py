@@ -25,9 +25,13 @@ def backbone_config(config: Qwen35Config) -> Qwen35Config:
 
 
 class ClausePRM(nnx.Module):
-    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, mesh=None, rules=None):
+    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, mesh=None, rules=None,
+                 backbone: Qwen35ForCausalLM | None = None):
+        """``backbone``: an already built (e.g. HF-loaded) model without LM head; default: random init."""
         self.config = config
-        self.backbone = Qwen35ForCausalLM(backbone_config(config), rngs=rngs, mesh=mesh, rules=rules)
+        if backbone is None:
+            backbone = Qwen35ForCausalLM(backbone_config(config), rngs=rngs, mesh=mesh, rules=rules)
+        self.backbone = backbone
         init = nnx.initializers.normal(config.hidden_size ** -0.5)
         self.score_head = nnx.Param(init(rngs.params(), (config.hidden_size,), jnp.float32),
                                     out_sharding=("embed",), eager_sharding=False)

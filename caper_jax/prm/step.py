@@ -38,14 +38,19 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
-def make_optimizer(optim) -> optax.GradientTransformation:
-    """AdamW with linear warmup and cosine decay to 10 %, after global-norm clipping."""
-    schedule = optax.warmup_cosine_decay_schedule(
+def learning_rate(optim) -> optax.Schedule:
+    """Linear warmup to ``optim.lr``, then cosine decay to 10 % of it at ``optim.total_steps``."""
+    return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=optim.lr, warmup_steps=optim.warmup_steps,
         decay_steps=max(optim.total_steps, optim.warmup_steps + 1), end_value=0.1 * optim.lr)
+
+
+def make_optimizer(optim) -> optax.GradientTransformation:
+    """AdamW on the ``learning_rate`` schedule, after global-norm clipping."""
     return optax.chain(
         optax.clip_by_global_norm(optim.grad_clip),
-        optax.adamw(schedule, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay, mask=decay_mask),
+        optax.adamw(learning_rate(optim), b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay,
+                    mask=decay_mask),
     )
 
 

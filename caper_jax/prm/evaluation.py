@@ -1,0 +1,222 @@
+"""Held-out evaluation of a Clause-PRM: pairwise accuracy and root-cause localisation.
+
+* **Pairwise**: on held-out preference tuples, the share with r(u+) > r(u-), overall and per clause.
+* **Localisation**: on held-out FAILED trajectories, the PRM scores every clause of the prediction in
+  one forward pass; clauses ranked lowest-first give top-1 and MRR against the true root clause,
+  next to the baselines of ``caper_jax.prm.localization`` (heuristic, random, execution-only).
+  The true root is the construction label where the data has one (``true_root_clause`` in the demo
+  world's predictions: known independently of the annotator), else the annotator's counterfactual
+  localisation (``caper_jax.sql.localize``), which is what the paper evaluates against.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+
+import jax
+import numpy as np
+
+from caper_jax.data import prm_pipeline as pipe_lib
+from caper_jax.data.prompts import serialize_schema
+from caper_jax.data.spider import load_schemas
+from caper_jax.parallel import multihost
+from caper_jax.prm import localization as loc
+from caper_jax.sql.clauses import CLAUSE_NAMES, COMPOUND_NAMES, WITH_NAME, SqlParseError, split_clauses
+from caper_jax.utils.monitoring import plot_bars
+
+# Written order used to place a missing root clause (see localization.true_index_for).
+CLAUSE_ORDER = (WITH_NAME, *CLAUSE_NAMES[:5], *COMPOUND_NAMES, *CLAUSE_NAMES[5:])
+ID_TO_CLAUSE = {**{i: n for i, n in enumerate(CLAUSE_NAMES)}, pipe_lib.COMPOUND_CLAUSE_ID: "compound",
+                pipe_lib.WITH_CLAUSE_ID: WITH_NAME}
+
+
+def fetch(x) -> np.ndarray:
+    """A global array back on every host as numpy."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def replicated_batch(batch: dict, mesh, rules, multiple: int) -> tuple[dict, int]:
+    """The same full batch on every host -> global arrays split over the batch axis.
+
+    Rows are padded to a multiple of the batch shard count; returns (arrays, real row count).
+    """
+    n = len(next(iter(batch.values())))
+    padded = -(-n // multiple) * multiple
+    out = {}
+    for key, value in batch.items():
+        value = np.asarray(value)
+        if padded != n:
+            pad = np.zeros((padded - n,) + value.shape[1:], value.dtype)
+            if key.endswith("_pos") or key == "clause_pos":
+                pad -= 1
+            value = np.concatenate([value, pad])
+        sharding = multihost.batch_sharding(mesh, value.ndim, rules)
+        out[key] = jax.make_array_from_callback(value.shape, sharding, lambda idx, v=value: v[idx])
+    return out, n
+
+
+def _batch_multiple(mesh, rules) -> int:
+    spec = multihost.batch_sharding(mesh, 1, rules).spec[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+class PrmEvaluator:
+    def __init__(self, world, tokenizer, eval_tuples: pathlib.Path, config, mesh, rules):
+        self.tokenizer, self.config, self.mesh, self.rules = tokenizer, config, mesh, rules
+        self.multiple = _batch_multiple(mesh, rules)
+        records = [json.loads(line) for line in pathlib.Path(eval_tuples).read_text().splitlines() if line]
+        random.Random(config.seed).shuffle(records)
+        self.tuples = records[: config.data.max_eval_tuples]
+        self.failures = self._failures(world, config.data.eval_split)
+
+    # -- data
+
+    @staticmethod
+    def _failures(world, split: str) -> list[dict]:
+        """Failed predictions with a known root clause, as rows for ``score_batch``."""
+        path = world.dir / f"predictions_{split}.jsonl"
+        if not path.exists():
+            return []
+        schemas = {db: serialize_schema(entry) for db, entry in load_schemas(world.dir).items()}
+        rows = []
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            root = r.get("true_root_clause")
+            if root is None or r.get("db_id") not in schemas:
+                continue
+            try:
+                pred_units = [(u.name, u.text) for u in split_clauses(r["pred"])]
+                gold_units = [(u.name, u.text) for u in split_clauses(r["gold"])]
+            except SqlParseError:
+                continue
+            rows.append({"question": r["question"], "schema": schemas[r["db_id"]], "sql": r["pred"],
+                         "root": root, "pred_units": pred_units, "gold_units": gold_units})
+        return rows
+
+    # -- metrics
+
+    def pairwise(self, params, eval_scores) -> dict[str, float]:
+        per_clause: dict[str, list[float]] = {}
+        correct, gaps = [], []
+        bs = self.config.data.eval_batch_size
+        for start in range(0, len(self.tuples), bs):
+            chunk = self.tuples[start:start + bs]
+            batch = next(iter(pipe_lib.prm_pipeline(
+                chunk, self.tokenizer, global_batch_size=len(chunk), max_len=self.config.data.max_len,
+                bucket_lengths=self.config.data.bucket_lengths, num_epochs=1).dataset))
+            arrays, n = replicated_batch({k: v for k, v in batch.items() if k != "record_index"},
+                                         self.mesh, self.rules, self.multiple)
+            r_pos, r_neg = (fetch(x)[:n] for x in eval_scores(params, arrays))
+            order = batch["record_index"]
+            for i in range(n):
+                ok = float(r_pos[i] > r_neg[i])
+                correct.append(ok)
+                gaps.append(float(r_pos[i] - r_neg[i]))
+                per_clause.setdefault(chunk[order[i]]["clause"], []).append(ok)
+        out = {"eval/pair_accuracy": float(np.mean(correct)), "eval/score_gap": float(np.mean(gaps))}
+        out.update({f"eval/pair_accuracy/{k}": float(np.mean(v)) for k, v in sorted(per_clause.items())})
+        return out
+
+    def clause_scores(self, params, clause_scores_fn, rows: list[dict]) -> list[np.ndarray]:
+        """Per row, the PRM score of each clause unit of ``row['sql']`` (NaN where it fell off)."""
+        out = []
+        bs = self.config.data.eval_batch_size
+        for start in range(0, len(rows), bs):
+            chunk = rows[start:start + bs]
+            batch = pipe_lib.score_batch(chunk, self.tokenizer, max_len=self.config.data.max_len,
+                                         bucket_lengths=self.config.data.bucket_lengths)
+            arrays, n = replicated_batch({"input_ids": batch["input_ids"], "mask": batch["mask"],
+                                          "clause_pos": batch["clause_pos"]}, self.mesh, self.rules, self.multiple)
+            scores = fetch(clause_scores_fn(params, arrays["input_ids"], arrays["mask"], arrays["clause_pos"]))[:n]
+            for b, row in enumerate(chunk):
+                k = len(row["pred_units"]) if "pred_units" in row else int((batch["clause_pos"][b] >= 0).sum())
+                s = scores[b, :k].astype(np.float64)
+                s[batch["clause_pos"][b, :k] < 0] = np.nan
+                out.append(s)
+        return out
+
+    def localization(self, params, clause_scores_fn) -> dict[str, dict]:
+        if not self.failures:
+            return {}
+        prm_scores = self.clause_scores(params, clause_scores_fn, self.failures)
+        cases: dict[str, list[loc.Case]] = {"prm": [], "heuristic": [], "random": [], "execution": []}
+        for row, scores in zip(self.failures, prm_scores):
+            names = tuple(n for n, _ in row["pred_units"])
+            true_index = loc.true_index_for(names, row["root"], CLAUSE_ORDER)
+            # A clause truncated away (NaN) cannot be blamed: it ranks last.
+            scores = np.where(np.isnan(scores), np.inf, scores)
+            cases["prm"].append(loc.Case(names, tuple(scores), true_index))
+            cases["heuristic"].append(loc.Case(names, loc.heuristic_scores(row["pred_units"], row["gold_units"]),
+                                               true_index))
+            cases["random"].append(loc.Case(names, loc.random_scores(len(names)), true_index))
+            cases["execution"].append(loc.Case(names, loc.execution_scores(len(names)), true_index))
+        return {name: loc.summarize(c) for name, c in cases.items()}
+
+    def full(self, params, eval_scores, clause_scores_fn) -> dict:
+        pairwise = self.pairwise(params, eval_scores)
+        localization = self.localization(params, clause_scores_fn)
+        metrics = dict(pairwise)
+        for name, summary in localization.items():
+            metrics[f"localization/{name}/top1"] = summary["top1"]
+            metrics[f"localization/{name}/mrr"] = summary["mrr"]
+        return {"metrics": metrics, "localization": localization, "n_eval_tuples": len(self.tuples),
+                "n_failures": len(self.failures)}
+
+
+def localization_table(localization: dict[str, dict]) -> str:
+    """Markdown: overall and per-clause top-1 / MRR for the PRM and each baseline."""
+    if not localization:
+        return "_no held-out failures with a known root clause_\n"
+    methods = list(localization)
+    clauses = sorted({c for s in localization.values() for c in s["per_clause"]},
+                     key=lambda c: CLAUSE_ORDER.index(c) if c in CLAUSE_ORDER else 99)
+    head = "| true clause | n | " + " | ".join(f"{m} top-1 | {m} MRR" for m in methods) + " |"
+    rule = "|---|---|" + "---|---|" * len(methods)
+    lines = [head, rule]
+    for clause in ["all", *clauses]:
+        n = localization[methods[0]]["n"] if clause == "all" else localization[methods[0]]["per_clause"][clause]["n"]
+        cells = []
+        for m in methods:
+            s = localization[m] if clause == "all" else localization[m]["per_clause"][clause]
+            cells.append(f"{100 * s['top1']:.1f} | {100 * s['mrr']:.1f}")
+        lines.append(f"| {clause} | {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def confusion_table(summary: dict) -> str:
+    conf = summary.get("confusion", {})
+    blamed = sorted({b for row in conf.values() for b in row},
+                    key=lambda c: CLAUSE_ORDER.index(c) if c in CLAUSE_ORDER else 99)
+    lines = ["| true \\ blamed | " + " | ".join(blamed) + " |", "|---|" + "---|" * len(blamed)]
+    for true in sorted(conf, key=lambda c: CLAUSE_ORDER.index(c) if c in CLAUSE_ORDER else 99):
+        lines.append(f"| {true} | " + " | ".join(str(conf[true].get(b, 0)) for b in blamed) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(results: dict, workdir: pathlib.Path) -> None:
+    """results.json, localization.md and the per-clause localisation plot."""
+    workdir = pathlib.Path(workdir)
+    (workdir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    localization = results.get("localization", {})
+    metrics = results["metrics"]
+    text = ["# Clause-PRM evaluation\n",
+            f"Held-out tuples: {results['n_eval_tuples']}, pairwise accuracy "
+            f"{100 * metrics['eval/pair_accuracy']:.1f} %.\n",
+            f"Held-out failed predictions: {results['n_failures']}.\n",
+            "## Root-cause localisation (%, clauses ranked by score, lowest first)\n",
+            localization_table(localization)]
+    if "prm" in localization:
+        text += ["\n## Clause-PRM: true vs blamed clause\n", confusion_table(localization["prm"])]
+        groups = {m: {"all": s["top1"], **{c: v["top1"] for c, v in s["per_clause"].items()}}
+                  for m, s in localization.items()}
+        plot_bars(groups, workdir / "localization_per_clause.png",
+                  title="Root-cause localisation top-1 by true clause", ylabel="top-1")
+    (workdir / "localization.md").write_text("\n".join(text))

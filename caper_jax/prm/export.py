@@ -1,0 +1,55 @@
+"""Clause-PRM <-> Hugging Face: load a Qwen3.5 backbone into a PRM, export a trained PRM.
+
+The export is a ``Qwen3_5TextForSequenceClassification`` checkpoint with ``num_labels=1``: the
+backbone under ``model.*`` and the head as ``score.weight`` ``[1, hidden]``. transformers applies the
+head at the last non-pad token, so feeding it ``prompt + preceding SQL + clause`` returns the same
+clause score caper_jax computes (tests/prm/test_export.py checks this against PyTorch).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from caper_jax.models import hf_io
+from caper_jax.prm.model import ClausePRM, backbone_config
+
+HF_ARCHITECTURE = "Qwen3_5TextForSequenceClassification"
+
+
+def load_prm_backbone(hf_dir: str, mesh, rules, *, seed: int = 0, **runtime) -> ClausePRM:
+    """A ClausePRM whose backbone comes from an HF Qwen3.5 checkpoint (text or multimodal layout).
+
+    Tensors stream straight to their shardings (``from_hf``); an untied ``lm_head`` is dropped
+    right after loading, since the PRM never reads vocabulary logits. The score head starts random.
+    """
+    dtype = runtime.pop("dtype", "float32")
+    backbone, config = hf_io.from_hf(hf_dir, dtype=dtype, mesh=mesh, rules=rules, **runtime)
+    if not config.tie_word_embeddings:
+        del backbone.lm_head
+    backbone.config = backbone_config(config)
+    return ClausePRM(config, rngs=nnx.Rngs(seed), backbone=backbone)
+
+
+def export_prm_to_hf(model: ClausePRM, out_dir: str | pathlib.Path, tokenizer=None,
+                     max_shard_bytes: int = 5 * 2**30) -> pathlib.Path:
+    """Writes the PRM as an HF sequence-classification checkpoint (+ tokenizer files if given)."""
+    config = model.config
+    head = np.asarray(jax.device_get(model.score_head[...]), np.float32)[None, :]
+
+    def tensors():
+        yield from hf_io.hf_state_dict(model.backbone, model.backbone.config)
+        yield "score.weight", head.astype(np.dtype(jnp.dtype(config.param_dtype)))
+
+    hf_config = config.to_hf_dict()
+    pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else config.pad_token_id
+    hf_config.update(architectures=[HF_ARCHITECTURE], num_labels=1, id2label={"0": "LABEL_0"},
+                     label2id={"LABEL_0": 0}, pad_token_id=pad_id, problem_type="regression")
+    out = hf_io.write_safetensors(tensors(), out_dir, hf_config, max_shard_bytes=max_shard_bytes)
+    if tokenizer is not None and jax.process_index() == 0:
+        tokenizer.save_pretrained(str(out))
+    return out

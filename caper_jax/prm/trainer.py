@@ -1,0 +1,218 @@
+"""The Clause-PRM training loop: annotate -> train -> evaluate -> checkpoint -> export.
+
+Reads top to bottom like big_vision's train.py. Everything heavy lives elsewhere: annotation in
+``caper_jax.sql`` (streamed through Grain by ``caper_jax.data.annotation_source``), batches in
+``caper_jax.data.prm_pipeline``, the jitted step in ``caper_jax.prm.step``, sharding in
+``caper_jax.parallel``, checkpoints in ``caper_jax.checkpoint``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from caper_jax import checkpoint as ckpt_lib
+from caper_jax.data import prm_pipeline as pipe_lib
+from caper_jax.data.world import DataWorld, prepare_world
+from caper_jax.parallel import mesh as mesh_lib
+from caper_jax.parallel import multihost
+from caper_jax.parallel import rules as rules_lib
+from caper_jax.prm import evaluation
+from caper_jax.prm.export import export_prm_to_hf
+from caper_jax.prm.loss import PairLossConfig
+from caper_jax.prm.model import ClausePRM
+from caper_jax.prm import step as step_lib
+from caper_jax.sql.tuples import AnnotationSettings
+from caper_jax.utils.monitoring import MetricWriter, Progress, plot_curves, read_metrics
+
+log = logging.getLogger("caper_jax")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The run kept producing non-finite losses or gradients."""
+
+
+def loss_config(config) -> PairLossConfig:
+    return PairLossConfig(form=config.loss.form, margin_weight=config.loss.margin_weight,
+                          alpha=config.annotate.alpha, offset_scale=config.loss.offset_scale,
+                          center_coef=config.loss.center_coef)
+
+
+def annotation_settings(config) -> AnnotationSettings:
+    a = config.annotate
+    return AnnotationSettings(alpha=a.alpha, sigma=a.sigma, margin_floor=a.margin_floor,
+                              per_query=a.per_query, timeout_s=a.timeout_s, seed=config.seed)
+
+
+def annotate_split(world: DataWorld, split: str, settings: AnnotationSettings, cache_dir: pathlib.Path
+                   ) -> pathlib.Path:
+    """Preference tuples of a split as JSONL, cached under a key of (data, split, settings).
+
+    Annotation is deterministic (each trajectory seeds its own randomness), so every process of a
+    multi-host job may build the same file; the atomic rename makes concurrent builds harmless.
+    """
+    from caper_jax.data.annotation_source import annotated_dataset, trajectory_dataset
+    from caper_jax.data.tfds_caper import read_tables
+
+    key = hashlib.sha256(json.dumps([str(world.dir), split, dataclasses.asdict(settings)],
+                                    sort_keys=True).encode()).hexdigest()[:12]
+    path = cache_dir / f"{split}-{key}.jsonl"
+    if path.exists():
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    trajectories = trajectory_dataset(world.dir, split)
+    dataset = annotated_dataset(trajectories, world.database_dir, settings, tables=read_tables(world.dir))
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    n = 0
+    with tmp.open("w") as f:
+        for record in dataset:
+            f.write(json.dumps(record) + "\n")
+            n += 1
+    os.replace(tmp, path)
+    multihost.log_main("annotated %s: %d trajectories -> %d tuples in %.1f s (%s)", split,
+                       len(trajectories), n, time.perf_counter() - start, path)
+    return path
+
+
+def build_model(config, vocab_size: int, mesh, rules) -> ClausePRM:
+    """A ClausePRM created directly in its sharded layout (random init, or HF weights)."""
+    from caper_jax.models.presets import model_preset
+
+    runtime = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat)
+    if config.model.hf_dir:
+        from caper_jax.prm.export import load_prm_backbone
+
+        return load_prm_backbone(config.model.hf_dir, mesh, rules, seed=config.seed, **runtime)
+    model_config = model_preset(config.model.preset, vocab_size=vocab_size, **runtime)
+    return rules_lib.create_sharded(lambda: ClausePRM(model_config, rngs=nnx.Rngs(config.seed)), mesh, rules)
+
+
+def run(config, workdir: str) -> dict:
+    multihost.initialize()
+    workdir = pathlib.Path(workdir)
+    main = multihost.is_main_process()
+    if main:
+        workdir.mkdir(parents=True, exist_ok=True)
+    writer = MetricWriter(workdir, enabled=main)
+
+    # Data: the world (demo or Spider layout), its tokenizer, and annotated tuples.
+    world = prepare_world(config, workdir)
+    tokenizer = world.tokenizer
+    settings = annotation_settings(config)
+    train_path = annotate_split(world, config.data.train_split, settings, workdir / "tuples")
+    eval_path = annotate_split(world, config.data.eval_split, settings, workdir / "tuples")
+
+    # Model, optimizer and state, created sharded over the mesh.
+    mesh = mesh_lib.make_mesh(config.mesh_shape.to_dict())
+    rules = tuple(tuple(r) for r in config.sharding_rules)
+    model = build_model(config, len(tokenizer), mesh, rules)
+    graphdef, params = nnx.split(model)
+    tx = step_lib.make_optimizer(config.optim)
+    state_sharding = rules_lib.logical_to_sharding(
+        jax.eval_shape(lambda p: step_lib.init_state(p, tx), params), mesh, rules)
+    with jax.set_mesh(mesh):
+        state = jax.jit(lambda p: step_lib.init_state(p, tx), out_shardings=state_sharding)(params)
+    del params, model
+    train_step, eval_scores, clause_scores = step_lib.jit_steps(graphdef, tx, loss_config(config), state_sharding)
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    multihost.log_main("Clause-PRM: %s parameters on mesh %s", f"{n_params:,}", dict(mesh.shape))
+
+    # Input pipeline: this host's rows of every global batch, repeated over epochs.
+    pipeline = pipe_lib.prm_pipeline(
+        pipe_lib.JsonlSource(train_path), tokenizer, global_batch_size=config.data.batch_size,
+        max_len=config.data.max_len, bucket_lengths=config.data.bucket_lengths, seed=config.seed,
+        num_epochs=None, process_index=jax.process_index(), process_count=jax.process_count())
+    data_iter = pipeline.iterator()
+    multihost.log_main("training tuples: %d (%d steps per epoch)", pipeline.num_records, pipeline.steps_per_epoch)
+
+    # Resume from the newest whole checkpoint, data position included.
+    checkpointer = ckpt_lib.Checkpointer(workdir / "checkpoints", max_to_keep=config.ckpt_keep,
+                                         save_interval_steps=config.ckpt_every)
+    restored = checkpointer.restore_latest(ckpt_lib.abstract_state(state), data_iterator=data_iter)
+    if restored is not None:
+        state = restored.state
+        multihost.log_main("resumed from step %d", restored.step)
+    first_step = int(state.step)
+
+    total = config.optim.total_steps
+    evaluator = evaluation.PrmEvaluator(world, tokenizer, eval_path, config, mesh, rules)
+    progress = Progress(total, first_step)
+    train_metrics = []
+    with jax.set_mesh(mesh):
+        for step in range(first_step + 1, total + 1):
+            host_batch = next(data_iter)
+            batch = multihost.host_local_to_global(
+                {k: v for k, v in host_batch.items() if k != "record_index"}, mesh, rules)
+            state, metrics = train_step(state, batch)
+            train_metrics.append(metrics)
+            if step % config.log_every == 0 or step == total:
+                summary = {f"train/{k}": float(np.mean([jax.device_get(m[k]) for m in train_metrics]))
+                           for k in train_metrics[0]}
+                train_metrics = []
+                summary["train/lr"] = float(step_lib.learning_rate(config.optim)(step))
+                summary["train/steps_per_s"] = progress.steps_per_s
+                writer.write(step, summary)
+                multihost.log_main("%s  loss %.4f  acc %.3f", progress.update(step), summary["train/loss"],
+                                   summary["train/accuracy"])
+            if int(state.nonfinite) > config.optim.max_consecutive_nonfinite:
+                checkpointer.close()
+                raise NonFiniteLossError(
+                    f"step {step}: {int(state.nonfinite)} consecutive non-finite losses/gradients (limit "
+                    f"{config.optim.max_consecutive_nonfinite}); the updates were refused and the last good "
+                    f"checkpoint in {workdir / 'checkpoints'} is intact. Lower optim.lr or check the data.")
+            if step % config.eval_every == 0 and step != total:
+                writer.write(step, evaluator.pairwise(state.params, eval_scores))
+            checkpointer.save(step, state, data_iterator=data_iter, config=config.to_dict(),
+                              force=step == total)
+        checkpointer.wait()
+
+        results = evaluator.full(state.params, eval_scores, clause_scores)
+    writer.write(total, {k: v for k, v in results["metrics"].items()})
+    writer.close()
+    checkpointer.close()
+    if main:
+        evaluation.write_report(results, workdir)
+        plot_curves(read_metrics(workdir / "metrics.jsonl"),
+                    ["train/loss", "train/accuracy", "eval/pair_accuracy", "eval/loss"],
+                    workdir / "loss_curve.png", title="Clause-PRM training")
+    if config.export_hf:
+        export_prm_to_hf(nnx.merge(graphdef, state.params), workdir / "hf_export", tokenizer)
+    return results
+
+
+def dry_run(config) -> dict:
+    """Lower + compile the train step on abstract shapes for the current devices; no weights."""
+    from caper_jax.models.presets import model_preset
+    from caper_jax.parallel.dry_run import report
+
+    mesh = mesh_lib.make_mesh(config.mesh_shape.to_dict())
+    rules = tuple(tuple(r) for r in config.sharding_rules)
+    runtime = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat)
+    model_config = model_preset(config.model.preset, **runtime)
+    graphdef, abstract_params = rules_lib.abstract_state(
+        lambda: ClausePRM(model_config, rngs=nnx.Rngs(0)), mesh, rules)
+    tx = step_lib.make_optimizer(config.optim)
+    abstract = jax.eval_shape(lambda p: step_lib.init_state(p, tx), abstract_params)
+    shardings = rules_lib.logical_to_sharding(abstract, mesh, rules)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    b, length = config.data.batch_size, config.data.max_len
+    batch_sharding = lambda nd: multihost.batch_sharding(mesh, nd, rules)
+    ids = jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=batch_sharding(2))
+    vec = lambda dt: jax.ShapeDtypeStruct((b,), dt, sharding=batch_sharding(1))
+    batch = {"chosen_ids": ids, "chosen_mask": ids, "chosen_pos": vec(jnp.int32), "rejected_ids": ids,
+             "rejected_mask": ids, "rejected_pos": vec(jnp.int32), "margin": vec(jnp.float32),
+             "weight": vec(jnp.float32), "clause_id": vec(jnp.int32)}
+    train_step, _, _ = step_lib.jit_steps(graphdef, tx, loss_config(config))
+    print(f"Clause-PRM train step: preset {config.model.preset}, global batch {b} pairs x {length} tokens, "
+          f"remat {config.model.remat}, params {config.model.param_dtype}, compute {config.model.dtype}")
+    return report(train_step, (abstract, batch), mesh, params=abstract.params)
