@@ -1,0 +1,224 @@
+"""``python -m caper_jax.annotate {localize,inject,build}``: the annotation command line.
+
+    localize --db PATH.sqlite --input IN.jsonl --output OUT.jsonl
+        Input lines: {"gold", "pred", ["question"]}. Output lines repeat them and add "correct"
+        (by execution), "root_clause" (null when correct), "clause_rewards" (clause -> reward <= 0),
+        "root_node" (SQL text of v*), "edit_script", plus "corrected_sql" and "reason".
+    inject --db PATH.sqlite --input IN.jsonl --output OUT.jsonl [--per_query K]
+        Input lines: {"gold", ...}. One output line per verified negative: "gold", "negative",
+        "clause", "mutation", "margin" (delta at the mutated clause), "root_node".
+    build --config=configs/annotate.py[:arg] [--config.field=value ...]
+        The TFDS ArrayRecord dataset, with a progress bar and a final summary.
+
+A malformed input line (not JSON, not an object, a required field missing or not a string, a gold
+query that does not run) is reported on stderr with its line number and skipped; so is a line on
+which annotation itself fails (reported as an internal error, with the exception). The other lines
+are still written. The exit status is 0 unless the run itself cannot start (missing files, bad
+flags). Annotation settings (alpha, sigma, margin floor, ...) come from ``--config``, by default
+configs/annotate.py's defaults (the same values as ``AnnotationSettings``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+import random
+import sys
+from collections.abc import Callable, Iterator
+
+from absl import app, flags
+from ml_collections import ConfigDict, config_flags
+
+from caper_jax.sql.execution import Executor
+from caper_jax.sql.localize import GoldError, localize
+from caper_jax.sql.mutations import inject_faults
+from caper_jax.sql.schema import Schema
+from caper_jax.sql.tuples import AnnotationSettings, mutation_rewards
+
+COMMANDS = ("localize", "inject", "build")
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command's flags; defined only when it runs, so importing this module defines none."""
+    flags.DEFINE_string("db", None, "SQLite database (localize, inject).")
+    flags.DEFINE_string("input", None, "Input JSON lines (localize, inject).")
+    flags.DEFINE_string("output", None, "Output JSON lines (localize, inject).")
+    flags.DEFINE_integer("per_query", None, "Negatives per gold query (inject); default: the config's.")
+    config_flags.DEFINE_config_file("config", None, "configs/annotate.py[:arg] (build; optional otherwise).")
+
+
+class InputError(ValueError):
+    """One input line cannot be processed; the run reports it and goes on."""
+
+
+def settings_from_config(config: ConfigDict | None) -> AnnotationSettings:
+    """AnnotationSettings from a configs/annotate.py config (defaults when None)."""
+    if config is None:
+        return AnnotationSettings()
+    names = {f.name for f in dataclasses.fields(AnnotationSettings)}
+    values = {k: config[k] for k in names if k in config}
+    if values.get("max_attempts") == 0:
+        values["max_attempts"] = None
+    return AnnotationSettings(**values)
+
+
+def read_lines(path: str | pathlib.Path,
+               required: tuple[str, ...]) -> Iterator[tuple[int, dict | InputError]]:
+    """(line number, record or the error that line has), for every non-blank line."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield number, InputError(f"not JSON ({e.msg})")
+                continue
+            if not isinstance(record, dict):
+                yield number, InputError(f"not a JSON object: {type(record).__name__}")
+                continue
+            missing = [k for k in required if not isinstance(record.get(k), str)]
+            if missing:
+                yield number, InputError(f"field(s) {', '.join(missing)} missing or not a string")
+                continue
+            yield number, record
+
+
+def process_file(input_path: str, output_path: str, required: tuple[str, ...],
+                 handle: Callable[[dict], list[dict]], log=sys.stderr) -> dict[str, int]:
+    """Runs ``handle`` on every good line; writes its outputs; reports and skips bad lines."""
+    counts = {"lines": 0, "written": 0, "skipped": 0}
+    with open(output_path, "w", encoding="utf-8") as out:
+        for number, record in read_lines(input_path, required):
+            counts["lines"] += 1
+            if isinstance(record, InputError):
+                counts["skipped"] += 1
+                print(f"{input_path}:{number}: skipped: {record}", file=log)
+                continue
+            try:
+                results = handle(record)
+            except (InputError, GoldError) as e:
+                counts["skipped"] += 1
+                print(f"{input_path}:{number}: skipped: {e}", file=log)
+                continue
+            except Exception as e:  # noqa: BLE001 -- one line must never end the run
+                counts["skipped"] += 1
+                print(f"{input_path}:{number}: skipped: internal error {type(e).__name__}: {e}", file=log)
+                continue
+            for result in results:
+                out.write(json.dumps(result, ensure_ascii=False) + "\n")
+                counts["written"] += 1
+            out.flush()
+    print(f"{counts['lines']} lines, {counts['written']} written, {counts['skipped']} skipped",
+          file=log)
+    return counts
+
+
+def run_localize(db: str, input_path: str, output_path: str, settings: AnnotationSettings) -> dict[str, int]:
+    schema = Schema.from_sqlite(db)
+    with Executor(db, timeout_s=settings.timeout_s, max_rows=settings.max_rows) as executor:
+        def handle(record: dict) -> list[dict]:
+            result = localize(record["gold"], record["pred"], executor, schema, alpha=settings.alpha,
+                              sigma=settings.sigma, reference_edges=settings.reference_edges,
+                              semantics=settings.semantics)
+            return [{**record, **result.as_dict()}]
+        return process_file(input_path, output_path, ("gold", "pred"), handle)
+
+
+def run_inject(db: str, input_path: str, output_path: str, settings: AnnotationSettings) -> dict[str, int]:
+    schema = Schema.from_sqlite(db)
+    with Executor(db, timeout_s=settings.timeout_s, max_rows=settings.max_rows) as executor:
+        def handle(record: dict) -> list[dict]:
+            gold = record["gold"]
+            if not executor.execute(gold).ok:
+                raise GoldError(f"gold query does not run: {executor.execute(gold).error}")
+            rng = random.Random(f"{settings.seed}\x00{gold}")
+            try:
+                negatives = inject_faults(gold, executor, schema, settings.per_query, rng,
+                                          max_attempts=settings.max_attempts)
+            except ValueError as e:     # SqlParseError
+                raise InputError(f"gold query does not parse: {e}") from e
+            out = []
+            for negative in negatives:
+                rewards = mutation_rewards(negative, alpha=settings.alpha, sigma=settings.sigma,
+                                           reference_edges=settings.reference_edges, schema=schema)
+                out.append({"gold": gold, "negative": negative.sql, "clause": negative.clause,
+                            "mutation": negative.mutation, "margin": -rewards.get(negative.clause, 0.0),
+                            "root_node": negative.root_node_sql})
+            return out
+        return process_file(input_path, output_path, ("gold",), handle)
+
+
+def run_build(config: ConfigDict) -> dict[str, dict]:
+    """Builds the TFDS dataset; returns the summary per split."""
+    from caper_jax.data import tfds_caper      # tensorflow_datasets only for this command
+    import tensorflow_datasets as tfds
+
+    settings = settings_from_config(config)
+    manual_dir = config.data.manual_dir
+    if config.name == "demo" and not manual_dir:
+        manual_dir = str(pathlib.Path(config.data_dir or tfds.core.constants.DATA_DIR).expanduser()
+                         / "caper_demo_world")
+    if config.name == "demo":   # reuses a finished build with the same settings
+        from caper_jax.data.demo_world import build_demo_world
+        build_demo_world(manual_dir, seed=config.data.demo_seed)
+    if not manual_dir:
+        raise app.UsageError("set --config.data.manual_dir to a Spider/BIRD layout directory")
+    splits = tuple(config.data.splits)
+    options = dict(splits=splits, limit=config.data.limit, predictions=config.data.predictions,
+                   database_dir=config.data.database_dir)
+    builder = tfds_caper.CaperTuples(
+        data_dir=config.data_dir or None,
+        config=tfds_caper.CaperConfig(
+            name=config_name(config.name, settings, {**options, "source": str(pathlib.Path(manual_dir).resolve())}),
+            settings=settings, **options))
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+    summary = {}
+    for split in splits:
+        path = pathlib.Path(builder.data_dir) / f"summary_{split}.json"
+        summary[split] = json.loads(path.read_text()) if path.is_file() else {}
+    print(f"dataset: {builder.data_dir}")
+    for split, s in summary.items():
+        print(f"[{split}] {s.get('trajectories', '?')} trajectories -> {s.get('tuples', '?')} tuples; "
+              f"sources {s.get('sources', {})}; errors {s.get('errors', {})}")
+        for kind, y in s.get("yield_by_kind", {}).items():
+            print(f"    {kind:16s} negatives {y['negatives']:6d}  tuples {y['tuples']:6d}")
+    return summary
+
+
+def config_name(source: str, settings: AnnotationSettings, options: dict) -> str:
+    """``<source>_<hash of everything that changes the data>``: new settings, new directory."""
+    key = json.dumps([dataclasses.asdict(settings), options], sort_keys=True)
+    return f"{source}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2 or argv[1] not in COMMANDS:
+        raise app.UsageError(f"usage: python -m caper_jax.annotate {{{','.join(COMMANDS)}}} [flags]")
+    command = argv[1]
+    settings = settings_from_config(FLAGS.config)
+    if command == "build":
+        if FLAGS.config is None:
+            raise app.UsageError("build needs --config=configs/annotate.py[:arg]")
+        run_build(FLAGS.config)
+        return
+    for name in ("db", "input", "output"):
+        if not getattr(FLAGS, name):
+            raise app.UsageError(f"{command} needs --{name}")
+    for path in (FLAGS.db, FLAGS.input):
+        if not pathlib.Path(path).is_file():
+            raise app.UsageError(f"no such file: {path}")
+    if command == "localize":
+        run_localize(FLAGS.db, FLAGS.input, FLAGS.output, settings)
+    else:
+        if FLAGS.per_query is not None:
+            settings = dataclasses.replace(settings, per_query=FLAGS.per_query)
+        run_inject(FLAGS.db, FLAGS.input, FLAGS.output, settings)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

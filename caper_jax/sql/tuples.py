@@ -1,0 +1,315 @@
+"""Clause-level preference tuples, from fault injection and from counterfactual repair.
+
+A tuple compares two clause *states*: ``prefix + clause`` of a positive query against the same
+position of a negative query. Positions are aligned by clause name in written order
+(``localize.align``). The positive side is the reference, so its clause rewards are 0; the
+negative side's rewards come from propagation out of its root-cause node. A tuple is emitted at a
+position when
+
+    delta = r(u+) - r(u-) >= margin_floor     and     (prefix+, u+) != (prefix-, u-)
+
+The second condition drops positions where both states are the same text (a clause before the
+root cause that propagation reached through a reference edge): a preference between identical
+inputs teaches nothing. Where a position exists on one side only (a missing or an extra clause),
+the other side's state at that point is the clause it wrote next; if it wrote nothing more there
+is no state to compare and no tuple.
+
+Sources:
+
+* **mutation** (gold is positive, a type-preserving mutation of gold that changes the result is
+  negative; provenance ``mutation:<kind>``). v* is the mutated node. When the mutator re-rendered
+  the SQL with sqlglot, the gold is rendered the same way, so that both sides share their prefix
+  character for character.
+* **counterfactual** (the repaired prediction is positive, the prediction negative; provenance
+  ``counterfactual``), from ``localize.localize``.
+
+The ``schema`` field is ``caper_jax.data.prompts.serialize_schema`` of the database's tables.json
+record when one is given, else of a record built from the SQLite catalogue (``tables_entry``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import random
+from collections.abc import Mapping
+
+from caper_jax.data.prompts import serialize_schema
+from caper_jax.sql import canonical as canon
+from caper_jax.sql import propagation
+from caper_jax.sql.canonical import AnySchema, Position, align, position_rank
+from caper_jax.sql.clauses import ClauseUnit, SqlParseError
+from caper_jax.sql.execution import Executor
+from caper_jax.sql.localize import GoldError, Localization, clause_units, localize
+from caper_jax.sql.mutations import Negative, inject_faults
+from caper_jax.sql.schema import Schema
+
+
+@dataclasses.dataclass
+class PreferenceTuple:
+    question: str
+    db_id: str
+    schema: str            # serialised schema
+    clause: str            # clause name of the compared position
+    prefix_chosen: str     # SQL text before the chosen clause (may be "")
+    chosen: str            # u+ clause text
+    prefix_rejected: str
+    rejected: str          # u- clause text
+    margin: float          # delta = r(u+) - r(u-) > 0
+    provenance: str        # "mutation:<kind>" or "counterfactual"
+    gold_sql: str
+    negative_sql: str
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What every tuple of one example shares."""
+    question: str
+    db_id: str
+    schema: str
+    gold_sql: str
+
+
+def aligned_tuples(context: Context, *, positive_sql: str, positive_rewards: Mapping[str, float],
+                   negative_sql: str, negative_rewards: Mapping[str, float], margin_floor: float,
+                   provenance: str) -> list[PreferenceTuple]:
+    """Tuples at every aligned position whose margin reaches the floor (module docstring)."""
+    if margin_floor <= 0:
+        raise ValueError(f"margin_floor must be > 0, got {margin_floor}")
+    pos_units, neg_units = clause_units(positive_sql), clause_units(negative_sql)
+    out = []
+    for position in align(list(pos_units), list(neg_units)):
+        margin = positive_rewards.get(position.key, 0.0) - negative_rewards.get(position.key, 0.0)
+        if margin < margin_floor:
+            continue
+        chosen = _state_at(pos_units, position)
+        rejected = _state_at(neg_units, position)
+        if chosen is None or rejected is None:
+            continue
+        prefix_chosen, prefix_rejected = positive_sql[:chosen.start], negative_sql[:rejected.start]
+        if (prefix_chosen, chosen.text) == (prefix_rejected, rejected.text):
+            continue
+        out.append(PreferenceTuple(
+            question=context.question, db_id=context.db_id, schema=context.schema,
+            clause=position.name, prefix_chosen=prefix_chosen, chosen=chosen.text,
+            prefix_rejected=prefix_rejected, rejected=rejected.text, margin=float(margin),
+            provenance=provenance, gold_sql=context.gold_sql, negative_sql=negative_sql))
+    return out
+
+
+def _state_at(units: dict[Position, ClauseUnit], position: Position) -> ClauseUnit | None:
+    """The unit at ``position``, or the one written next in its place."""
+    if position in units:
+        return units[position]
+    later = [p for p in units if position_rank(p) > position_rank(position)]
+    return units[min(later, key=position_rank)] if later else None
+
+
+def counterfactual_tuples(context: Context, pred_sql: str, localization: Localization, *,
+                          margin_floor: float) -> list[PreferenceTuple]:
+    """Corrected query (positive) against the prediction (negative)."""
+    if localization.correct or localization.corrected_sql is None:
+        return []
+    try:
+        return aligned_tuples(context, positive_sql=localization.corrected_sql, positive_rewards={},
+                              negative_sql=pred_sql, negative_rewards=localization.clause_rewards,
+                              margin_floor=margin_floor, provenance="counterfactual")
+    except SqlParseError:
+        return []
+
+
+def mutation_rewards(negative: Negative, *, alpha: float, sigma: float, reference_edges: bool = True,
+                     schema: AnySchema | None = None) -> dict[str, float]:
+    """Clause rewards of a mutated query, propagated from its mutated node.
+
+    ``negative`` is a ``caper_jax.sql.mutations.Negative``: ``tree`` is the mutated query's AST and
+    ``node`` the mutated node in it. A mutation that removed its node (e.g. dropping DISTINCT)
+    leaves the clause itself as v*.
+    """
+    query = canon.query_tree(negative.tree)
+    v_star = canon.find_labelled(query, negative.node) if negative.node is not None else None
+    if v_star is None or v_star is query:
+        v_star = next((c for c in query.children if c.label == negative.clause), None)
+    if v_star is None:
+        raise ValueError(f"mutated clause {negative.clause!r} is not in {negative.sql!r}")
+    return propagation.clause_rewards(query, v_star, alpha=alpha, sigma=sigma,
+                                      reference_edges=reference_edges, schema=schema)
+
+
+def mutation_tuples(context: Context, negative: Negative, *, alpha: float, sigma: float, margin_floor: float,
+                    reference_edges: bool = True,
+                    schema: AnySchema | None = None) -> list[PreferenceTuple]:
+    """Gold (positive) against one mutated query (negative)."""
+    rewards = mutation_rewards(negative, alpha=alpha, sigma=sigma, reference_edges=reference_edges,
+                               schema=schema)
+    positive_sql = context.gold_sql
+    if negative.sql == negative.tree.sql(dialect=canon.DIALECT):
+        positive_sql = canon.parse(context.gold_sql).sql(dialect=canon.DIALECT)
+    return aligned_tuples(context, positive_sql=positive_sql, positive_rewards={},
+                          negative_sql=negative.sql, negative_rewards=rewards,
+                          margin_floor=margin_floor, provenance=f"mutation:{negative.mutation}")
+
+
+def tables_entry(schema: Schema) -> dict:
+    """A Spider ``tables.json`` record of a schema read from SQLite (for ``serialize_schema``)."""
+    columns = [[-1, "*"]] + [[schema.tables.index(c.table), c.name] for c in schema.columns]
+    index = {(c.table.lower(), c.name.lower()): i + 1 for i, c in enumerate(schema.columns)}
+    pairs = [((f.table.lower(), f.column.lower()), (f.ref_table.lower(), f.ref_column.lower()))
+             for f in schema.foreign_keys]
+    foreign = [[index[a], index[b]] for a, b in pairs if a in index and b in index]
+    return {"db_id": schema.db_id, "table_names_original": list(schema.tables),
+            "column_names_original": columns, "column_types": ["text"] + [c.type for c in schema.columns],
+            "primary_keys": [i + 1 for i, c in enumerate(schema.columns) if c.primary_key],
+            "foreign_keys": foreign}
+
+
+# --------------------------------------------------------------------------------------------
+# One trajectory -> tuples.
+
+@dataclasses.dataclass(frozen=True)
+class AnnotationSettings:
+    """The knobs of annotation; configs/annotate.py documents each default."""
+    alpha: float = 1.0
+    sigma: float = 1.0
+    margin_floor: float = 0.05
+    reference_edges: bool = True
+    per_query: int = 4
+    max_attempts: int | None = None
+    semantics: str = "spider"
+    timeout_s: float = 2.0
+    max_rows: int = 10_000
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.alpha <= 0 or self.sigma <= 0 or self.margin_floor <= 0:
+            raise ValueError(f"alpha, sigma and margin_floor must be > 0: {self}")
+        if self.margin_floor > self.alpha:
+            raise ValueError(f"margin_floor {self.margin_floor} > alpha {self.alpha}: no tuple could pass")
+        if self.per_query < 0:
+            raise ValueError(f"per_query must be >= 0, got {self.per_query}")
+        if self.semantics not in ("spider", "bird"):
+            raise ValueError(f"semantics must be 'spider' or 'bird', got {self.semantics!r}")
+
+
+@dataclasses.dataclass
+class Annotation:
+    """What one trajectory produced, with the counts the build summary reports."""
+    tuples: list[PreferenceTuple]
+    source: str                                   # "mutation" | "counterfactual" | "correct" | "error"
+    error: str | None = None                      # error kind when source == "error"
+    negatives_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+    tuples_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+class Annotator:
+    """Trajectories ``{"question", "db_id", "gold", ["pred"]}`` -> preference tuples.
+
+    No prediction: fault injection on gold (up to ``per_query`` negatives). A wrong prediction:
+    counterfactual repair. A correct prediction yields nothing by default, because Spider-layout
+    sources also hold the question record of the same gold, which is mutated already;
+    ``mutate_correct=True`` mutates its gold instead (for a stream of predictions alone).
+
+    Databases live in Spider layout (``<database_dir>/<db_id>/<db_id>.sqlite``); executors and
+    schemas are opened once per database and dropped when pickled (Grain worker processes reopen
+    them). The random stream of a trajectory is seeded by (seed, db_id, gold), so a record
+    annotates the same way in any process or order -- which is what lets a Grain iterator resume
+    mid-dataset.
+    """
+
+    def __init__(self, database_dir: str | os.PathLike, settings: AnnotationSettings = AnnotationSettings(),
+                 tables: Mapping[str, dict] | None = None, *, mutate_correct: bool = False):
+        self.database_dir = pathlib.Path(database_dir)
+        self.settings = settings
+        self.tables = dict(tables or {})     # db_id -> tables.json record, for the schema text
+        self.mutate_correct = mutate_correct
+        self._executors: dict[str, Executor] = {}
+        self._schemas: dict[str, Schema] = {}
+        self._schema_texts: dict[str, str] = {}
+
+    def __getstate__(self):
+        return {"database_dir": self.database_dir, "settings": self.settings, "tables": self.tables,
+                "mutate_correct": self.mutate_correct}
+
+    def __setstate__(self, state):
+        self.__init__(state["database_dir"], state["settings"], state["tables"],
+                      mutate_correct=state["mutate_correct"])
+
+    def db_path(self, db_id: str) -> pathlib.Path:
+        return self.database_dir / db_id / f"{db_id}.sqlite"
+
+    def executor(self, db_id: str) -> Executor:
+        if db_id not in self._executors:
+            self._executors[db_id] = Executor(self.db_path(db_id), timeout_s=self.settings.timeout_s,
+                                              max_rows=self.settings.max_rows)
+        return self._executors[db_id]
+
+    def schema(self, db_id: str) -> Schema:
+        if db_id not in self._schemas:
+            self._schemas[db_id] = Schema.from_sqlite(self.db_path(db_id), db_id)
+            entry = self.tables.get(db_id) or tables_entry(self._schemas[db_id])
+            self._schema_texts[db_id] = serialize_schema(entry)
+        return self._schemas[db_id]
+
+    def close(self) -> None:
+        for executor in self._executors.values():
+            executor.close()
+        self._executors.clear()
+
+    def __call__(self, record: Mapping) -> Annotation:
+        """Never raises on a bad record: failures come back as ``Annotation(source="error")``."""
+        try:
+            return self._annotate(record)
+        except Exception as e:  # noqa: BLE001 -- one record must never end a build
+            return Annotation([], "error", error=f"internal:{type(e).__name__}")
+
+    def _annotate(self, record: Mapping) -> Annotation:
+        try:
+            db_id, gold = str(record["db_id"]), str(record["gold"])
+        except KeyError as e:
+            return Annotation([], "error", error=f"missing_field:{e.args[0]}")
+        if not self.db_path(db_id).is_file():
+            return Annotation([], "error", error="missing_db")
+        schema = self.schema(db_id)
+        context = Context(str(record.get("question", "")), db_id, self._schema_texts[db_id], gold)
+        pred = record.get("pred")
+        if pred is not None:
+            return self._counterfactual(context, str(pred), schema)
+        return self._mutations(context, schema)
+
+    def _counterfactual(self, context: Context, pred: str, schema: Schema) -> Annotation:
+        s = self.settings
+        try:
+            loc = localize(context.gold_sql, pred, self.executor(context.db_id), schema, alpha=s.alpha,
+                           sigma=s.sigma, reference_edges=s.reference_edges, semantics=s.semantics)
+        except GoldError:
+            return Annotation([], "error", error="gold_fails")
+        if loc.correct:
+            return self._mutations(context, schema) if self.mutate_correct else Annotation([], "correct")
+        tuples = counterfactual_tuples(context, pred, loc, margin_floor=s.margin_floor)
+        return Annotation(tuples, "counterfactual", negatives_by_kind={"counterfactual": 1},
+                          tuples_by_kind={"counterfactual": len(tuples)} if tuples else {})
+
+    def _mutations(self, context: Context, schema: Schema) -> Annotation:
+        s = self.settings
+        rng = random.Random(f"{s.seed}\x00{context.db_id}\x00{context.gold_sql}")
+        try:
+            negatives = inject_faults(context.gold_sql, self.executor(context.db_id), schema, s.per_query,
+                                      rng, max_attempts=s.max_attempts)
+        except SqlParseError:
+            return Annotation([], "error", error="gold_parse")
+        if not negatives and not self.executor(context.db_id).execute(context.gold_sql).ok:
+            return Annotation([], "error", error="gold_fails")
+        out = Annotation([], "mutation")
+        for negative in negatives:
+            out.negatives_by_kind[negative.mutation] = out.negatives_by_kind.get(negative.mutation, 0) + 1
+            tuples = mutation_tuples(context, negative, alpha=s.alpha, sigma=s.sigma,
+                                     margin_floor=s.margin_floor, reference_edges=s.reference_edges,
+                                     schema=schema)
+            out.tuples.extend(tuples)
+            if tuples:
+                kind = negative.mutation
+                out.tuples_by_kind[kind] = out.tuples_by_kind.get(kind, 0) + len(tuples)
+        return out

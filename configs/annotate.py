@@ -1,0 +1,62 @@
+"""Annotation: trajectories -> clause-level preference tuples, written as an ArrayRecord TFDS dataset.
+
+Spider (or BIRD) layout in ``data.manual_dir`` (dev.json / train_spider.json, tables.json,
+database/<db>/<db>.sqlite, optional predictions_<split>.jsonl):
+
+    python -m caper_jax.annotate build --config=configs/annotate.py:spider \
+        --config.data.manual_dir=/work/shared/data/spider --config.data_dir=/tmp/caper_tfds
+
+The built-in demo world (no downloads; built into ``data.manual_dir`` first when that is empty):
+
+    python -m caper_jax.annotate build --config=configs/annotate.py:demo --config.data_dir=/tmp/caper_tfds
+
+BIRD layout (dev.json, dev_tables.json, dev_databases/<db>/<db>.sqlite; set semantics, 30 s timeout):
+
+    python -m caper_jax.annotate build --config=configs/annotate.py:bird \
+        --config.data.manual_dir=/data/bird/dev --config.data_dir=/tmp/caper_tfds
+
+Variants (``:arg``, comma separated): ``spider`` | ``demo`` | ``bird`` (data source), ``limit=N``
+(at most N trajectories per split, 0 = all), ``per_query=K``.
+
+Defaults and why (docs/annotation.md has the full argument):
+  alpha = 1.0         penalty at v*; the scale of every margin. 1 keeps margins in (0, 1].
+  sigma = 1.0         decay length in tree edges: a parent gets exp(-1/2) = 0.61 of the root's
+                      penalty, a grandparent exp(-2) = 0.14, three edges away 0.011.
+  margin_floor = 0.05 keeps positions up to two edges from v* (>= 0.135) and drops the numerically
+                      negligible tail (three or more edges, <= 0.011).
+  reference_edges     a column reaches the table it reads, so a wrong column also marks the FROM
+                      state that follows it (margin 0.61).
+  per_query = 4       fault-injection negatives per gold query: ~5 tuples per Spider dev query.
+"""
+from ml_collections import ConfigDict
+
+from configs.common import parse_arg
+
+
+def get_config(arg: str | None = None) -> ConfigDict:
+    arg = parse_arg(arg, spider=False, demo=False, bird=False, limit=0, per_query=4)
+    if arg.spider + arg.demo + arg.bird > 1:
+        raise ValueError("choose one of :spider, :demo and :bird")
+    c = ConfigDict()
+    c.name = "demo" if arg.demo else "bird" if arg.bird else "spider"   # TFDS config name prefix
+    c.data_dir = ""                              # TFDS data_dir; empty: ~/tensorflow_datasets
+
+    c.data = ConfigDict()
+    c.data.manual_dir = ""                       # Spider/BIRD layout; demo: built here when empty
+    c.data.splits = ("dev",) if not arg.demo else ("train", "dev")
+    c.data.limit = arg.limit                     # trajectories per split (0 = all)
+    c.data.predictions = True                    # also read predictions_<split>.jsonl if present
+    c.data.demo_seed = 0
+    c.data.database_dir = "{split}_databases" if arg.bird else "database"   # under manual_dir
+
+    c.alpha = 1.0
+    c.sigma = 1.0
+    c.margin_floor = 0.05
+    c.reference_edges = True
+    c.per_query = arg.per_query
+    c.max_attempts = 0                           # mutants executed per gold; 0: 8 * per_query
+    c.semantics = "bird" if arg.bird else "spider"   # result equivalence (bird: set equality)
+    c.timeout_s = 30.0 if arg.bird else 2.0      # per query; BIRD's evaluator allows 30 s
+    c.max_rows = 10_000
+    c.seed = 0
+    return c
