@@ -1,0 +1,319 @@
+"""Clause-PRM pipeline: tokenisation, truncation, buckets, padding, order, resume, host slices.
+
+References are independent of the code under test: byte-level BPE decoding (lossless) checks what
+a sequence holds, split_clauses spans check where a clause ends, and plain set arithmetic checks
+that hosts and epochs cover every record exactly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from caper_jax.data import prm_pipeline as pp
+from caper_jax.sql.clauses import CLAUSE_NAMES, split_clauses
+
+SQLS = (
+    "SELECT name FROM singer WHERE age > 30 ORDER BY age DESC LIMIT 3",
+    "SELECT count(*) FROM concert WHERE year = 2014",
+    "SELECT T1.name , T2.title FROM singer AS T1 JOIN song AS T2 ON T1.id = T2.singer_id WHERE T2.sales > 100",
+    "SELECT country , avg(age) FROM singer GROUP BY country HAVING count(*) > 1",
+    "SELECT name FROM stadium UNION SELECT name FROM singer ORDER BY name",
+    "SELECT DISTINCT country FROM singer WHERE is_male = 'F'",
+    "SELECT max(capacity) , average FROM stadium",
+)
+SCHEMAS = (
+    "singer(id, name, country, age, is_male) | song(id, title, singer_id, sales)",
+    "stadium(id, name, capacity, average) | concert(id, stadium_id, year) | singer(id, name, age)",
+)
+MUTATIONS = (("age", "id"), (">", "<"), ("DESC", "ASC"), ("3", "5"), ("name", "country"), ("count", "max"),
+             ("2014", "2015"), ("T1", "T2"), ("avg", "sum"), ("DISTINCT ", ""), ("UNION", "EXCEPT"), ("100", "10"))
+
+
+def prompt_fn(question: str, schema: str) -> str:
+    return f"Schema: {schema}\nQuestion: {question}\nSQL: "
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A 600-token byte-level BPE trained on the test texts: lossless decode, realistic merges."""
+    corpus = list(SQLS) + list(SCHEMAS) + [prompt_fn(f"How many singers are older than {n}?", s)
+                                           for n in range(5) for s in SCHEMAS]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
+
+
+def mutate(text: str) -> str:
+    for old, new in MUTATIONS:
+        if old in text:
+            return text.replace(old, new, 1)
+    return text + " + 1"
+
+
+def make_tuples(count: int, seed: int = 0) -> list[dict]:
+    """Tuples cut from real queries at split_clauses boundaries; questions of varied length."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < count:
+        sql = rng.choice(SQLS)
+        unit = rng.choice(split_clauses(sql))
+        words = " very" * rng.randrange(0, 40)
+        out.append(dict(
+            question=f"Which{words} old singers are there #{len(out)}?", db_id="concert_singer",
+            schema=rng.choice(SCHEMAS), clause=unit.name, prefix_chosen=sql[: unit.start],
+            chosen=unit.text, prefix_rejected=sql[: unit.start], rejected=mutate(unit.text),
+            margin=round(rng.uniform(0.1, 1.0), 3), provenance="mutation:test", gold_sql=sql,
+            negative_sql=sql[: unit.start] + mutate(unit.text)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tuples():
+    return make_tuples(45)
+
+
+LADDER = (48, 64, 96, 128, 192)
+
+
+def build(tuples, tokenizer, **kwargs) -> pp.PrmPipeline:
+    kwargs = dict(global_batch_size=8, max_len=192, bucket_lengths=LADDER, seed=3, prompt_fn=prompt_fn) | kwargs
+    return pp.prm_pipeline(tuples, tokenizer, **kwargs)
+
+
+def all_batches(pipeline: pp.PrmPipeline) -> list[dict]:
+    return [pipeline.dataset[i] for i in range(len(pipeline.dataset))]
+
+
+def assert_batches_equal(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            np.testing.assert_array_equal(x[key], y[key], err_msg=key)
+
+
+def test_sequence_is_prompt_prefix_clause_scored_at_last_clause_token(tuples, tokenizer):
+    batch = build(tuples, tokenizer).dataset[0]
+    assert set(batch) == set(pp.BATCH_KEYS)
+    for row in np.flatnonzero(batch["weight"]):
+        rec = tuples[batch["record_index"][row]]
+        for side in ("chosen", "rejected"):
+            ids, mask, pos = batch[f"{side}_ids"][row], batch[f"{side}_mask"][row], batch[f"{side}_pos"][row]
+            expected = prompt_fn(rec["question"], rec["schema"]) + rec[f"prefix_{side}"] + rec[side]
+            decoded = tokenizer.decode(ids[: pos + 1])
+            assert decoded == expected or (pos + 1 == 192 and expected.endswith(decoded))
+            assert mask.sum() == pos + 1 and mask[: pos + 1].all()
+            # The score token is the clause's own last token: its text ends the clause.
+            assert rec[side].endswith(tokenizer.decode(ids[pos : pos + 1]).strip())
+            assert (ids[pos + 1 :] == tokenizer.pad_token_id).all()
+        assert batch["margin"][row] == np.float32(rec["margin"])
+        expected_id = pp.COMPOUND_CLAUSE_ID if rec["clause"] == "UNION" else CLAUSE_NAMES.index(rec["clause"])
+        assert batch["clause_id"][row] == expected_id
+
+
+def test_left_truncation_keeps_the_clause(tokenizer):
+    sql = SQLS[2]
+    where = split_clauses(sql)[-1]
+    question, schema, prefix = "Which songs sold well?", SCHEMAS[0], sql[: where.start]
+    # Prompt and SQL are tokenised apart (as a policy's generated SQL continues its prompt).
+    full = [ids for text in (prompt_fn(question, schema), sql)
+            for ids in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    # Reference: the fewest trailing tokens of the whole text that still hold the whole clause.
+    fewest = next(m for m in range(1, len(full)) if where.text in tokenizer.decode(full[-m:]))
+    for max_len in (fewest, fewest + 3, len(full) - 5):
+        encoder = pp.ClauseEncoder(tokenizer, max_len=max_len, prompt_fn=prompt_fn)
+        (ids,) = encoder.encode([(question, schema, prefix, where.text)])
+        assert len(ids) == max_len
+        np.testing.assert_array_equal(ids, full[-max_len:])  # cut from the left only
+    with pytest.raises(pp.ClauseTooLongError, match="record 7"):
+        pp.ClauseEncoder(tokenizer, max_len=fewest - 1, prompt_fn=prompt_fn).encode(
+            [(question, schema, prefix, where.text)], [7])
+
+
+def test_buckets_are_the_shortest_that_fit_and_only_the_last_batch_pads(tuples, tokenizer):
+    pipeline = build(tuples, tokenizer, num_epochs=2)
+    encoder = pp.ClauseEncoder(tokenizer, 192, prompt_fn)
+    lengths = [max(len(ids) for ids in encoder.encode([pp._side(r, "chosen"), pp._side(r, "rejected")]))
+               for r in tuples]
+    assert len(set(pp.bucket_index(np.asarray(lengths), LADDER))) >= 3  # the data spans buckets
+    batches = all_batches(pipeline)
+    assert pipeline.steps_per_epoch == 6 and len(batches) == 12  # ceil(45 / 8) per epoch
+    for epoch in range(2):
+        epoch_batches = batches[epoch * 6 : (epoch + 1) * 6]
+        partial = [b for b in epoch_batches if b["weight"].min() == 0]
+        assert len(partial) == 1 and partial[0]["weight"].sum() == 45 % 8
+        for b in epoch_batches:
+            longest = max(lengths[i] for i in b["record_index"] if i >= 0)
+            assert b["chosen_ids"].shape[1] == b["rejected_ids"].shape[1] == min(n for n in LADDER if n >= longest)
+
+
+def test_padding_rows_are_inert(tuples, tokenizer):
+    pipeline = build(tuples, tokenizer)
+    (batch,) = [b for b in all_batches(pipeline) if b["weight"].min() == 0]
+    pad = batch["weight"] == 0
+    assert pad.sum() == 8 - 45 % 8
+    assert (batch["record_index"][pad] == -1).all() and (batch["margin"][pad] == 0).all()
+    for side in ("chosen", "rejected"):
+        # One visible token keeps attention rows non-empty; the weight removes the row from the loss.
+        assert (batch[f"{side}_mask"][pad].sum(axis=1) == 1).all()
+        assert (batch[f"{side}_pos"][pad] == 0).all()
+
+
+def test_every_record_once_per_epoch_reshuffled_and_seed_deterministic(tuples, tokenizer):
+    batches = all_batches(build(tuples, tokenizer, num_epochs=2))
+    orders = []
+    for epoch in range(2):
+        seen = np.concatenate([b["record_index"] for b in batches[epoch * 6 : (epoch + 1) * 6]])
+        seen = seen[seen >= 0]
+        assert sorted(seen) == list(range(45))
+        orders.append(list(seen))
+    assert orders[0] != orders[1]
+    assert_batches_equal(batches, all_batches(build(tuples, tokenizer, num_epochs=2)))
+    other = np.concatenate([b["record_index"] for b in all_batches(build(tuples, tokenizer, seed=4))])
+    assert list(other[other >= 0]) != orders[0]
+
+
+def test_infinite_repeat_keeps_reshuffling(tuples, tokenizer):
+    pipeline = build(tuples, tokenizer, num_epochs=None)
+    assert len(pipeline.dataset) > 10**9
+    third = [pipeline.dataset[2 * 6 + s]["record_index"] for s in range(6)]
+    seen = np.concatenate(third)
+    assert sorted(seen[seen >= 0]) == list(range(45))
+
+
+@pytest.mark.parametrize("stop", [2, 5, 8])  # mid-epoch, end of epoch 0 - 1, inside epoch 1
+def test_iterator_state_resumes_exactly(tuples, tokenizer, stop):
+    pipeline = build(tuples, tokenizer, num_epochs=2)
+    it = pipeline.iterator(num_threads=2, prefetch=3)
+    for _ in range(stop):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))  # survives a JSON round trip (checkpoint)
+    expected = list(it)
+    fresh = build(tuples, tokenizer, num_epochs=2).iterator(num_threads=1)
+    fresh.set_state(state)
+    assert_batches_equal(list(fresh), expected)
+    assert_batches_equal(expected, all_batches(pipeline)[stop:])
+
+
+@pytest.mark.parametrize("hosts", [2, 4])
+def test_host_slices_are_disjoint_complete_and_stitch_to_the_global_batch(tuples, tokenizer, hosts):
+    whole = all_batches(build(tuples, tokenizer))
+    parts = [all_batches(build(tuples, tokenizer, process_index=p, process_count=hosts)) for p in range(hosts)]
+    for step, global_batch in enumerate(whole):
+        stitched = {k: np.concatenate([parts[p][step][k] for p in range(hosts)]) for k in global_batch}
+        assert_batches_equal([stitched], [global_batch])
+        host_rows = [set(parts[p][step]["record_index"]) - {-1} for p in range(hosts)]
+        assert sum(len(r) for r in host_rows) == len(set().union(*host_rows))
+    covered = np.concatenate([b["record_index"] for part in parts for b in part])
+    assert sorted(covered[covered >= 0]) == list(range(45))
+
+
+@dataclasses.dataclass
+class Tuple_:  # shape of caper_jax.sql.tuples.PreferenceTuple (asdict-able)
+    question: str
+    db_id: str
+    schema: str
+    clause: str
+    prefix_chosen: str
+    chosen: str
+    prefix_rejected: str
+    rejected: str
+    margin: float
+    provenance: str
+    gold_sql: str
+    negative_sql: str
+
+
+def test_sources_jsonl_bytes_features_and_dataclasses_agree(tuples, tokenizer, tmp_path):
+    path = tmp_path / "tuples.jsonl"
+    path.write_text("".join(json.dumps(t) + "\n" + ("\n" if i == 3 else "") for i, t in enumerate(tuples)))
+    features = [{k: (v.encode() if isinstance(v, str) else np.float32(v)) for k, v in t.items()} for t in tuples]
+    reference = all_batches(build(tuples, tokenizer))
+    for source in (str(path), [json.dumps(t).encode() for t in tuples], features,
+                   [Tuple_(**t) for t in tuples], iter(tuples)):
+        assert_batches_equal(all_batches(build(source, tokenizer)), reference)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop("chosen"), "record 5: missing keys \\['chosen'\\]"),
+    (lambda t: t.update(margin=-0.5), "record 5: margin must be a finite number > 0"),
+    (lambda t: t.update(margin=float("nan")), "record 5: margin"),
+    (lambda t: t.update(clause="WINDOW"), "record 5: unknown clause name 'WINDOW'"),
+    (lambda t: t.update(question=3), "record 5: 'question' must be a string"),
+])
+def test_bad_records_fail_at_construction_with_their_index(tuples, tokenizer, edit, message):
+    bad = [dict(t) for t in tuples[:8]]
+    edit(bad[5])
+    with pytest.raises(pp.RecordError, match=message):
+        build(bad, tokenizer)
+
+
+def test_bad_arguments_are_rejected(tuples, tokenizer):
+    with pytest.raises(ValueError, match="multiple of process_count"):
+        build(tuples, tokenizer, global_batch_size=6, process_count=4)
+    with pytest.raises(ValueError, match="exceeds the longest bucket"):
+        build(tuples, tokenizer, bucket_lengths=(16, 32), max_len=64)
+    with pytest.raises(pp.RecordError, match="record 0: not valid JSON"):
+        build([b"{not json"], tokenizer)
+
+
+def test_default_bucket_ladder():
+    assert pp.default_bucket_lengths(1024) == (64, 128, 192, 256, 384, 512, 768, 1024)
+    assert pp.default_bucket_lengths(600) == (64, 128, 192, 256, 384, 512, 600)
+    assert pp.default_bucket_lengths(50) == (50,)
+
+
+def test_epoch_plan_groups_buckets_and_carries_leftovers_up():
+    buckets = np.asarray([0] * 5 + [1] * 6 + [2] * 2)
+    rows, batch_bucket = pp.epoch_plan(buckets, 4, seed=0, epoch=0)
+    assert rows.shape == (4, 4) and sorted(rows[rows >= 0]) == list(range(13))
+    for r, b in zip(rows, batch_bucket):
+        assert b == buckets[r[r >= 0]].max()
+    # Sorted by bucket, 13 rows cut in 4s: [0 0 0 0][0 1 1 1][1 1 1 2][2 pad pad pad].
+    assert sorted(batch_bucket.tolist()) == [0, 1, 2, 2]
+
+
+def test_score_batch_marks_every_clause_and_matches_training_sequences(tokenizer):
+    rows = [dict(question=f"q{i} how many?", schema=SCHEMAS[i % 2], sql=sql) for i, sql in enumerate(SQLS)]
+    rows.append(dict(question="broken", schema=SCHEMAS[0], sql="SELEC name FROMM"))
+    out = pp.score_batch(rows, tokenizer, max_len=192, bucket_lengths=LADDER, prompt_fn=prompt_fn)
+    assert out["input_ids"].shape[1] in LADDER and out["clause_pos"].shape[1] == 8
+    encoder = pp.ClauseEncoder(tokenizer, 192, prompt_fn)
+    for b, row in enumerate(rows[:-1]):
+        units = split_clauses(row["sql"])
+        prompt = prompt_fn(row["question"], row["schema"])
+        for k, unit in enumerate(units):
+            pos = out["clause_pos"][b, k]
+            assert tokenizer.decode(out["input_ids"][b, : pos + 1]) == prompt + row["sql"][: unit.end]
+            (train_ids,) = encoder.encode([(row["question"], row["schema"], row["sql"][: unit.start], unit.text)])
+            np.testing.assert_array_equal(out["input_ids"][b, : pos + 1], train_ids)
+            assert out["clause_id"][b, k] == pp.clause_id(unit.name)
+        assert (out["clause_pos"][b, len(units) :] == -1).all()
+    assert (out["clause_pos"][-1] == -1).all() and out["mask"][-1].sum() > 0
+
+
+def test_score_batch_truncation_drops_only_clauses_that_fall_off(tokenizer):
+    row = dict(question="q", schema=SCHEMAS[0], sql=SQLS[0])
+    full = pp.score_batch([row], tokenizer, max_len=192, bucket_lengths=LADDER, prompt_fn=prompt_fn)
+    sql_tokens = len(tokenizer(SQLS[0], add_special_tokens=False)["input_ids"])
+    cut = pp.score_batch([row], tokenizer, max_len=sql_tokens - 2, bucket_lengths=(sql_tokens - 2,),
+                         prompt_fn=prompt_fn)
+    shift = int(full["mask"].sum()) - (sql_tokens - 2)
+    expected = np.where(full["clause_pos"] - shift >= 0, full["clause_pos"] - shift, -1)
+    expected[full["clause_pos"] < 0] = -1
+    np.testing.assert_array_equal(cut["clause_pos"], expected)
+    assert cut["clause_pos"][0, 0] == -1 and cut["clause_pos"][0, 4] >= 0  # SELECT fell off, LIMIT kept

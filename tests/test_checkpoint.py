@@ -1,0 +1,369 @@
+"""Checkpoints: exact resume after SIGKILL, sharded restore, fallback past damaged checkpoints, 2 hosts.
+
+Run as a script this file is a child process of the tests below:
+``python -m tests.test_checkpoint train WORKDIR STEPS`` is a tiny optax training loop over the real
+PRM pipeline on 4 simulated CPU devices, checkpointing every few steps;
+``python -m tests.test_checkpoint host WORKDIR PORT PROCESS_ID`` is one of two jax.distributed
+processes (2 CPU devices each) that assemble global batches and checkpoint together.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":  # a child process: simulated CPU devices, set before jax is imported
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={2 if sys.argv[1] == 'host' else 4}"
+
+import functools
+import json
+import logging
+import shutil
+import subprocess
+from pathlib import Path
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from caper_jax import checkpoint as ck
+
+REPO = Path(__file__).resolve().parents[1]
+CHILD_EVERY = 4  # checkpoint interval of the child loop
+CHILD_STEPS = 14
+
+
+DATA_RULES = (("batch", "data"),)  # the batch axis over the single mesh axis of these tests
+
+# ---------------------------------------------------------------------------------------------
+# The child: train a bag-of-embeddings scorer with a margin-weighted Bradley-Terry loss.
+
+
+def child_main(workdir: Path, steps: int) -> None:
+    from caper_jax.data.prm_pipeline import prm_pipeline
+    from caper_jax.parallel.multihost import host_local_to_global
+    from tests.data.test_prm_pipeline import make_tokenizer, make_tuples, prompt_fn
+
+    tokenizer = make_tokenizer()
+    pipeline = prm_pipeline(make_tuples(30), tokenizer, global_batch_size=8, max_len=192,
+                            bucket_lengths=(128, 192), seed=1, num_epochs=None, prompt_fn=prompt_fn)
+    mesh = Mesh(np.asarray(jax.devices()), ("data",))
+    vocab = 4 * (len(tokenizer) // 4 + 1)
+    embed_sharding = NamedSharding(mesh, P("data", None))  # rows of the table live on different devices
+
+    def init(key):
+        k1, k2 = jax.random.split(key)
+        params = {"embed": jax.random.normal(k1, (vocab, 16)) * 0.1, "head": jax.random.normal(k2, (16,)) * 0.1}
+        return {"params": params, "opt": optimizer.init(params), "step": jnp.int32(0)}
+
+    optimizer = optax.adamw(3e-2)
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), jax.eval_shape(init, jax.random.key(0)))
+    shardings["params"]["embed"] = embed_sharding
+    init = jax.jit(init, out_shardings=shardings)
+
+    def score(params, ids, mask, pos):
+        visible = mask * (jnp.arange(ids.shape[1]) <= pos[:, None])
+        h = jnp.tanh(params["embed"][ids])
+        pooled = (h * visible[..., None]).sum(1) / visible.sum(1, keepdims=True)
+        return pooled @ params["head"]
+
+    def loss_fn(params, batch):
+        chosen = score(params, batch["chosen_ids"], batch["chosen_mask"], batch["chosen_pos"])
+        rejected = score(params, batch["rejected_ids"], batch["rejected_mask"], batch["rejected_pos"])
+        per_row = -batch["margin"] * jax.nn.log_sigmoid(chosen - rejected)
+        return (per_row * batch["weight"]).sum() / batch["weight"].sum()
+
+    @functools.partial(jax.jit, out_shardings=shardings, donate_argnums=0)
+    def train_step(state, batch):
+        grads = jax.grad(loss_fn)(state["params"], batch)
+        updates, opt = optimizer.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt, "step": state["step"] + 1}
+
+    iterator = pipeline.iterator()
+    ckpt = ck.Checkpointer(workdir / "ckpt", max_to_keep=2, save_interval_steps=CHILD_EVERY)
+    abstract = jax.eval_shape(init, jax.random.key(0))
+    restored = ckpt.restore_latest(abstract, data_iterator=iterator)
+    if restored is None:
+        state = init(jax.random.key(0))
+    else:
+        state = restored.state
+        assert restored.config == {"lr": 3e-2, "steps": steps}
+        embed = state["params"]["embed"]
+        assert embed.sharding == embed_sharding and len({s.device for s in embed.addressable_shards}) == 4
+        assert embed.addressable_shards[0].data.shape == (vocab // 4, 16)
+        print(f"restored {restored.step}", flush=True)
+    for step in range(int(state["step"]), steps):
+        batch = host_local_to_global(next(iterator), mesh, DATA_RULES)
+        state = train_step(state, batch)
+        ckpt.save(step + 1, state, data_iterator=iterator, config={"lr": 3e-2, "steps": steps})
+        print(f"step {step + 1}", flush=True)
+    ckpt.close()
+    np.savez(workdir / "final.npz", **{k: np.asarray(v) for k, v in state["params"].items()})
+
+
+def child_env(workdir: Path) -> dict[str, str]:
+    # A compilation cache shared by the runs of one test: only the first one pays for XLA.
+    return dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
+                JAX_COMPILATION_CACHE_DIR=str(workdir.parent / "xla_cache"),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+def start_child(workdir: Path, steps: int) -> subprocess.Popen:
+    env = child_env(workdir)
+    return subprocess.Popen([sys.executable, "-m", "tests.test_checkpoint", "train", str(workdir), str(steps)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_child(proc: subprocess.Popen, kill_after: int | None = None) -> list[str]:
+    """Collects the child's step lines; with kill_after, SIGKILLs it as soon as it reports that step."""
+    lines = []
+    for line in proc.stdout:
+        if line.startswith(("step", "restored")):  # the tokenizer trainer prints blank lines
+            lines.append(line.strip())
+        if kill_after is not None and line.strip() == f"step {kill_after}":
+            proc.kill()  # SIGKILL: no cleanup, an async save may be half written
+            break
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == (-9 if kill_after is not None else 0), stderr[-3000:]
+    return lines
+
+
+def test_sigkill_and_resume_gives_bit_identical_params(tmp_path):
+    reference = finish_child(start_child(tmp_path / "ref", CHILD_STEPS))
+    finish_child(start_child(tmp_path / "run", CHILD_STEPS), kill_after=2 * CHILD_EVERY)  # save in flight
+    assert reference[-1] == f"step {CHILD_STEPS}" and not any(l.startswith("restored") for l in reference)
+    resumed = finish_child(start_child(tmp_path / "run", CHILD_STEPS))
+    restored_step = int(resumed[0].split()[1])
+    assert restored_step in (4, 8)  # 8, or 4 if the kill came before step 8 committed
+    assert resumed[1] == f"step {restored_step + 1}" and resumed[-1] == f"step {CHILD_STEPS}"
+
+    ref, got = np.load(tmp_path / "ref" / "final.npz"), np.load(tmp_path / "run" / "final.npz")
+    assert ref.files == got.files
+    for name in ref.files:
+        np.testing.assert_array_equal(got[name], ref[name])
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged checkpoints, in process.
+
+
+def _state(scale: float) -> dict:
+    return {"w": jnp.arange(4096, dtype=jnp.float32).reshape(64, 64) * scale, "b": jnp.ones(7) * scale,
+            "step": jnp.int32(int(scale))}
+
+
+@pytest.fixture
+def three_checkpoints(tmp_path):
+    """Steps 1, 2, 3 with distinct states; the data iterator advanced once per step."""
+    iterator = iter(grain.MapDataset.range(100).seed(0).shuffle().to_iter_dataset())
+    with ck.Checkpointer(tmp_path, max_to_keep=5) as ckpt:
+        for step in (1, 2, 3):
+            next(iterator)
+            ckpt.save(step, _state(step), data_iterator=iterator, config={"step": step})
+    return tmp_path
+
+
+def _restore(directory, caplog):
+    iterator = iter(grain.MapDataset.range(100).seed(0).shuffle().to_iter_dataset())
+    with caplog.at_level(logging.WARNING, logger="caper_jax.checkpoint"):
+        with ck.Checkpointer(directory) as ckpt:
+            restored = ckpt.restore_latest(ck.abstract_state(_state(0)), data_iterator=iterator)
+    return restored, iterator
+
+
+def _largest_array_file(step_dir: Path) -> Path:
+    return max((step_dir / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+
+
+def test_restore_latest_restores_state_iterator_and_config(three_checkpoints, caplog):
+    restored, iterator = _restore(three_checkpoints, caplog)
+    assert restored.step == 3 and restored.config == {"step": 3}
+    for key, value in _state(3).items():
+        np.testing.assert_array_equal(restored.state[key], value)
+    expected = iter(grain.MapDataset.range(100).seed(0).shuffle().to_iter_dataset())
+    for _ in range(3):
+        next(expected)
+    assert [next(iterator) for _ in range(5)] == [next(expected) for _ in range(5)]
+    assert not caplog.records
+
+
+def _flip_bytes(step_dir: Path) -> None:
+    path = _largest_array_file(step_dir)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit: orbax itself restores this silently (wrong value)
+    path.write_bytes(bytes(data))
+
+
+def _truncate(step_dir: Path) -> None:
+    path = _largest_array_file(step_dir)
+    path.write_bytes(path.read_bytes()[:-10])
+
+
+def _garble_iterator_json(step_dir: Path) -> None:
+    (step_dir / "data" / "process_0-of-1.json").write_text('{"next_ind')
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (_flip_bytes, "fails its CRC32"),
+    (_truncate, "truncated"),
+    (_garble_iterator_json, "data/process_0-of-1.json"),
+    (lambda d: shutil.rmtree(d / "data"), "item 'data' missing"),
+    (lambda d: (d / "state" / "_METADATA").unlink(), "state/_METADATA missing"),
+    (lambda d: (d / ck.MANIFEST).unlink(), "no caper_manifest.json"),
+    (lambda d: (d / ck.MANIFEST).write_text("{"), "unreadable caper_manifest.json"),
+])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(three_checkpoints, caplog, damage, reason):
+    damage(three_checkpoints / "3")
+    restored, _ = _restore(three_checkpoints, caplog)
+    assert restored.step == 2 and restored.config == {"step": 2}
+    np.testing.assert_array_equal(restored.state["w"], _state(2)["w"])
+    (warning,) = caplog.records
+    assert "/3 is unusable" in warning.getMessage() and reason in warning.getMessage()
+
+
+def test_interrupted_write_is_ignored_and_all_damaged_means_fresh_start(three_checkpoints, caplog):
+    # What a SIGKILL mid-save leaves: a staged directory that was never renamed to its step.
+    shutil.copytree(three_checkpoints / "3", three_checkpoints / "4.orbax-checkpoint-tmp-123")
+    (three_checkpoints / "4.orbax-checkpoint-tmp-123" / ck.MANIFEST).unlink()
+    restored, _ = _restore(three_checkpoints, caplog)
+    assert restored.step == 3
+    assert "discarding interrupted checkpoint write" in caplog.records[0].getMessage()
+    assert not (three_checkpoints / "4.orbax-checkpoint-tmp-123").exists()
+    for step in (1, 2, 3):
+        _flip_bytes(three_checkpoints / str(step))
+    caplog.clear()
+    restored, _ = _restore(three_checkpoints, caplog)
+    assert restored is None and len(caplog.records) == 3
+
+
+def test_a_verified_checkpoint_that_does_not_fit_raises(three_checkpoints):
+    with ck.Checkpointer(three_checkpoints) as ckpt:
+        wrong = ck.abstract_state(_state(0) | {"w": jnp.zeros((32, 64))})
+        with pytest.raises(Exception, match="shape"):
+            ckpt.restore_latest(wrong)
+        with pytest.raises(ck.CheckpointError, match="no data iterator state"):
+            ckpt.save(9, _state(9), force=True)
+            ckpt.wait()
+            ckpt.restore(9, ck.abstract_state(_state(0)),
+                         data_iterator=iter(grain.MapDataset.range(3).to_iter_dataset()))
+
+
+def test_nnx_model_and_optimizer_state_round_trip(tmp_path):
+    from flax import nnx
+
+    def build(seed):
+        model = nnx.Linear(3, 4, rngs=nnx.Rngs(seed))
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    model, optimizer = build(0)
+    grads = nnx.grad(lambda m: (m(jnp.ones((2, 3))) ** 2).sum())(model)
+    optimizer.update(model, grads)  # non-trivial moments and count
+    with ck.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, nnx.state((model, optimizer)))
+    with ck.Checkpointer(tmp_path) as ckpt:
+        restored = ckpt.restore_latest(nnx.state(nnx.eval_shape(lambda: build(1))))
+    fresh = build(1)
+    nnx.update(fresh, restored.state)
+    expected, got = jax.tree.leaves(nnx.state((model, optimizer))), jax.tree.leaves(nnx.state(fresh))
+    assert len(expected) == len(got) > 4
+    for a, b in zip(expected, got):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_save_interval_and_max_to_keep(tmp_path):
+    with ck.Checkpointer(tmp_path, max_to_keep=2, save_interval_steps=3) as ckpt:
+        saved = [step for step in range(1, 11) if ckpt.save(step, _state(step))]
+        ckpt.wait()
+        # Orbax also saves the first step it sees when the directory holds none (a baseline).
+        assert saved == [1, 3, 6, 9] and ckpt.all_steps() == [6, 9]
+        assert all(ckpt.verify(step) is None for step in (6, 9))
+    manifest = json.loads((tmp_path / "9" / ck.MANIFEST).read_text())
+    assert manifest["step"] == 9 and manifest["items"] == ["state"]
+    on_disk = {str(p.relative_to(tmp_path / "9")) for p in (tmp_path / "9" / "state").rglob("*") if p.is_file()}
+    assert set(manifest["files"]) == on_disk
+
+
+# ---------------------------------------------------------------------------------------------
+# Two jax.distributed processes on one machine.
+
+HOST_GLOBAL_BATCH = 8
+
+
+def host_main(workdir: Path, port: int, process_id: int) -> None:
+    from jax.experimental import multihost_utils
+
+    from caper_jax.data.prm_pipeline import prm_pipeline
+    from caper_jax.parallel.multihost import host_local_to_global
+    from tests.data.test_prm_pipeline import make_tokenizer, make_tuples, prompt_fn
+
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+    pipeline = prm_pipeline(make_tuples(20), make_tokenizer(), global_batch_size=HOST_GLOBAL_BATCH,
+                            max_len=192, bucket_lengths=(192,), seed=5, prompt_fn=prompt_fn,
+                            process_index=jax.process_index(), process_count=jax.process_count())
+    mesh = Mesh(np.asarray(jax.devices()), ("data",))
+    iterator = pipeline.iterator(num_threads=1)
+    batch = host_local_to_global(next(iterator), mesh, DATA_RULES)
+    # Fully replicated copies of the global arrays: every process can read the whole batch.
+    whole = jax.jit(lambda b: b, out_shardings=NamedSharding(mesh, P()))(batch)
+    np.savez(workdir / f"batch_{process_id}.npz", **{k: np.asarray(v) for k, v in whole.items()})
+
+    state = {"w": jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("data")))}
+    ckpt = ck.Checkpointer(workdir / "ckpt")
+    for step in (1, 2):
+        next(iterator)
+        ckpt.save(step, jax.tree.map(lambda x: x * step, state), data_iterator=iterator, config={"hosts": 2})
+    ckpt.wait()
+    multihost_utils.sync_global_devices("saved")
+    if process_id == 0:  # damage step 2: both processes must agree to fall back to step 1
+        path = max((workdir / "ckpt" / "2" / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+        path.write_bytes(path.read_bytes()[:-1] + bytes([path.read_bytes()[-1] ^ 1]))
+    multihost_utils.sync_global_devices("damaged")
+    fresh = pipeline.iterator(num_threads=1)
+    restored = ckpt.restore_latest(ck.abstract_state(state), data_iterator=fresh)
+    ckpt.close()
+    w = multihost_utils.process_allgather(restored.state["w"], tiled=True)
+    print(json.dumps({"step": restored.step, "w": np.asarray(w).tolist(), "config": restored.config,
+                      "iterator": fresh.get_state()}), flush=True)
+
+
+def test_two_processes_stitch_batches_and_share_checkpoints(tmp_path):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_checkpoint", "host", str(tmp_path), str(port), str(i)],
+                              cwd=REPO, env=child_env(tmp_path / "x"), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    for proc, (_, stderr) in zip(procs, outputs):
+        assert proc.returncode == 0, stderr[-3000:]
+    reports = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
+
+    from caper_jax.data.prm_pipeline import prm_pipeline
+    from tests.data.test_prm_pipeline import make_tokenizer, make_tuples, prompt_fn
+
+    single = prm_pipeline(make_tuples(20), make_tokenizer(), global_batch_size=HOST_GLOBAL_BATCH, max_len=192,
+                          bucket_lengths=(192,), seed=5, prompt_fn=prompt_fn)
+    expected = single.dataset[0]
+    for i in range(2):
+        got = np.load(tmp_path / f"batch_{i}.npz")
+        for key in expected:
+            np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+    for report in reports:  # step 2 damaged on disk: both fell back to step 1, with its data position
+        assert report["step"] == 1 and report["config"] == {"hosts": 2}
+        assert report["w"] == np.arange(64, dtype=np.float32).reshape(8, 8).tolist()
+        assert report["iterator"] == {"next_index": 2}
+    manifest = json.loads((tmp_path / "ckpt" / "1" / ck.MANIFEST).read_text())
+    assert {"data/process_0-of-2.json", "data/process_1-of-2.json"} <= set(manifest["files"])
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "train":
+        child_main(Path(sys.argv[2]), int(sys.argv[3]))
+    else:
+        host_main(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
