@@ -7,7 +7,8 @@
 
 ``--config.a.b=value`` overrides any field; an unknown key or a value of the wrong type is refused with a
 clear message before anything is built or compiled. ``config.trainer`` picks the loop; each loop is a
-module with ``run(config, workdir)`` and ``dry_run(config)``.
+module with ``validate(config)`` (raises ValueError on a bad value, before anything is built),
+``run(config, workdir)`` and ``dry_run(config)``.
 """
 from __future__ import annotations
 
@@ -41,23 +42,34 @@ def _config_keys(cfg, prefix="") -> list[str]:
     return keys
 
 
+def _load_config_file(argv: list[str]):
+    """The ConfigDict named by ``--config=path[:arg]`` in argv, loaded as config_flags does."""
+    import importlib.util
+
+    spec = next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
+    path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("_caper_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing, with config typos turned into one readable line instead of a traceback."""
     try:
         return flags.FLAGS(argv)
     except (AttributeError, KeyError) as e:
         bad = [a.split("=")[0].removeprefix("--config.") for a in argv[1:] if a.startswith("--config.")]
-        known = []
-        try:  # the config file itself loaded fine; list its keys for suggestions
-            known = _config_keys(flags.FLAGS["config"]._value or {})
+        try:  # the config file itself loads fine; its keys give the suggestions
+            known = _config_keys(_load_config_file(argv))
         except Exception:  # noqa: BLE001 - suggestions are best effort only
-            pass
-        hint = ""
+            known = []
+        lines = []
         for key in bad:
-            if key not in known:
+            if known and key not in known:
                 close = difflib.get_close_matches(key, known, n=3)
-                hint += f"\n  unknown config key {key!r}" + (f"; did you mean {close}?" if close else "")
-        sys.exit(f"error: bad config override ({e}).{hint}")
+                lines.append(f"error: unknown config key {key!r}" + (f"; did you mean {close}?" if close else ""))
+        sys.exit("\n".join(lines) or f"error: bad config: {e}")
     except flags.Error as e:
         sys.exit(f"error: {e}")
 
@@ -73,6 +85,10 @@ def main(argv: list[str]) -> None:
     if config.trainer not in TRAINERS:
         sys.exit(f"error: config.trainer={config.trainer!r}; known trainers: {sorted(TRAINERS)}")
     trainer = importlib.import_module(TRAINERS[config.trainer])
+    try:
+        trainer.validate(config)
+    except (ValueError, KeyError) as e:
+        sys.exit(f"error: invalid config: {e}")
     if _DRY_RUN.value:
         trainer.dry_run(config)
         return

@@ -84,6 +84,30 @@ def annotate_split(world: DataWorld, split: str, settings: AnnotationSettings, c
     return path
 
 
+def validate(config) -> None:
+    """Every config value checked before any data, model or compilation work starts."""
+    from caper_jax.models.presets import PRESETS
+
+    if config.data.kind not in ("demo", "spider"):
+        raise ValueError(f"data.kind={config.data.kind!r}; expected 'demo' or 'spider'")
+    if config.model.preset not in PRESETS and not config.model.hf_dir:
+        raise ValueError(f"model.preset={config.model.preset!r}; expected one of {PRESETS} or model.hf_dir")
+    if config.model.remat not in ("none", "full", "dots"):
+        raise ValueError(f"model.remat={config.model.remat!r}; expected none, full or dots")
+    loss_config(config)            # form / margin_weight / alpha
+    annotation_settings(config)    # alpha, sigma, floor, per_query
+    buckets = tuple(config.data.bucket_lengths)
+    if list(buckets) != sorted(buckets) or buckets[-1] > config.data.max_len:
+        raise ValueError(f"data.bucket_lengths={buckets} must be increasing and <= data.max_len")
+    if config.optim.total_steps < 1 or config.optim.lr <= 0:
+        raise ValueError("optim.total_steps must be >= 1 and optim.lr > 0")
+    for key in ("log_every", "eval_every", "ckpt_every"):
+        if config[key] < 1:
+            raise ValueError(f"{key} must be >= 1, got {config[key]}")
+    mesh_lib.resolve_mesh_shape(tuple(config.mesh_shape.values()), jax.device_count())
+    rules_lib.rules_dict(config.sharding_rules)
+
+
 def build_model(config, vocab_size: int, mesh, rules) -> ClausePRM:
     """A ClausePRM created directly in its sharded layout (random init, or HF weights)."""
     from caper_jax.models.presets import model_preset

@@ -1,0 +1,29 @@
+"""`python -m caper_jax.train`: config mistakes are refused with one clear line, before any work."""
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def run_train(*args: str, tmp_path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "caper_jax.train", *args, f"--workdir={tmp_path / 'w'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config=configs/prm.py", "--config.optim.lrr=1"],
+     "unknown config key 'optim.lrr'; did you mean ['optim.lr'"),
+    (["--config=configs/prm.py", "--config.optim.lr=abc"], "could not convert string to float"),
+    (["--config=configs/prm.py:modle=tiny"], "unknown config arg 'modle'"),
+    (["--config=configs/prm.py", "--config.data.kind=bird"], "data.kind='bird'; expected 'demo' or 'spider'"),
+    (["--config=configs/prm.py", "--config.loss.form=hinge"], "loss form 'hinge'"),
+    (["--config=configs/prm.py", "--config.mesh_shape.fsdp=3"], "mesh shape (1, 3, 1) needs 3 devices"),
+])
+def test_bad_config_is_one_clear_error(args, message, tmp_path):
+    result = run_train(*args, tmp_path=tmp_path)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "w").exists(), "nothing may be written for a refused config"
