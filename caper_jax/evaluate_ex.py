@@ -1,0 +1,169 @@
+"""Execution accuracy (EX) of predictions, with majority voting over candidates.
+
+Each prediction line names an example by ``index`` (its position in ``<data>/<split>.json``) and
+carries either ``pred`` (one SQL string) or ``candidates`` (a list of SQL strings). A candidates
+line is scored by majority vote over execution results:
+
+* each candidate is executed; candidates whose results are equal share one vote bucket (equality
+  under the chosen semantics, ignoring row order, so that an ORDER BY does not split a vote);
+* a candidate that fails (error, timeout, too many rows) casts no vote;
+* the bucket with most votes wins, ties going to the bucket whose first member came first; the
+  chosen SQL is that first member; if every candidate fails, the first candidate is chosen (and is
+  wrong).
+
+Scoring: the chosen SQL is correct iff it executes and ``results_equal(gold, chosen)`` holds under
+``spider`` (ordered iff the gold has ORDER BY) or ``bird`` semantics. Errors and timeouts are wrong.
+Examples whose database is missing, or whose gold SQL fails, are reported and excluded from ``n``.
+Malformed lines are reported with their line number and skipped.
+
+The summary has ``ex`` (accuracy of the chosen SQL), ``n``, and, when any line has candidates,
+``mv``: over those lines, ``first`` (accuracy of the first candidate alone), ``vote`` (of the vote)
+and ``any`` (some candidate correct: the oracle upper bound).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import sys
+from typing import Callable, TextIO
+
+from caper_jax.data.spider import MissingDatabaseError, db_path, load_split
+from caper_jax.sql.execution import ExecResult, Executor, Semantics, order_matters, results_equal
+
+DEFAULT_TIMEOUT_S = 30.0  # BIRD's evaluator uses 30 s; Spider gold queries take milliseconds
+DEFAULT_MAX_ROWS = 1_000_000  # far above any Spider/BIRD gold result: a cap, not a filter
+
+
+class PredictionError(ValueError):
+    """One prediction line is malformed; it is reported and skipped."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    line: int  # 1-based line number in the predictions file
+    index: int
+    candidates: tuple[str, ...]  # (pred,) for a pred line
+    voted: bool  # True for a candidates line
+    record: dict  # the line as read, repeated in the output
+
+
+def parse_prediction(line_number: int, text: str, n_examples: int) -> Prediction:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise PredictionError(f"not JSON ({error.msg})") from None
+    if not isinstance(record, dict):
+        raise PredictionError("not a JSON object")
+    index = record.get("index")
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < n_examples:
+        raise PredictionError(f"'index' must be an integer in [0, {n_examples}), got {index!r}")
+    has_pred, has_candidates = "pred" in record, "candidates" in record
+    if has_pred == has_candidates:
+        raise PredictionError("needs exactly one of 'pred' and 'candidates'")
+    if has_pred:
+        if not isinstance(record["pred"], str):
+            raise PredictionError("'pred' must be a string")
+        return Prediction(line_number, index, (record["pred"],), False, record)
+    candidates = record["candidates"]
+    if not isinstance(candidates, list) or not candidates or not all(isinstance(c, str) for c in candidates):
+        raise PredictionError("'candidates' must be a non-empty list of strings")
+    return Prediction(line_number, index, tuple(candidates), True, record)
+
+
+def majority_vote(results: list[ExecResult], semantics: Semantics) -> int:
+    """Index of the chosen candidate (see module docstring)."""
+    buckets: list[list[int]] = []  # candidate indices, buckets in order of first appearance
+    for i, result in enumerate(results):
+        if not result.ok:
+            continue
+        for bucket in buckets:
+            if results_equal(results[bucket[0]], result, semantics=semantics, ordered=False):
+                bucket.append(i)
+                break
+        else:
+            buckets.append([i])
+    if not buckets:
+        return 0
+    return max(buckets, key=len)[0]  # max keeps the first of equal-sized buckets
+
+
+def evaluate_ex(data_dir: str | os.PathLike, split: str, predictions: str | os.PathLike, *,
+                semantics: Semantics = "spider", output: str | os.PathLike | None = None,
+                timeout_s: float = DEFAULT_TIMEOUT_S, max_rows: int = DEFAULT_MAX_ROWS,
+                report: Callable[[str], None] | None = None) -> dict:
+    """Scores a predictions file; writes per-line results to ``output``; returns the summary."""
+    if semantics not in ("spider", "bird"):
+        raise ValueError(f"semantics must be 'spider' or 'bird', got {semantics!r}")
+    report = report or (lambda message: print(message, file=sys.stderr))
+    examples = load_split(data_dir, split)
+    executors: dict[str, Executor | None] = {}
+
+    def executor_for(db_id: str) -> Executor | None:
+        if db_id not in executors:
+            try:
+                executors[db_id] = Executor(db_path(data_dir, db_id), timeout_s=timeout_s,
+                                            max_rows=max_rows)
+            except MissingDatabaseError:
+                executors[db_id] = None
+        return executors[db_id]
+
+    correct = first_correct = vote_correct = any_correct = n = n_voted = malformed = 0
+    excluded: collections.Counter[str] = collections.Counter()
+    missing_reported: set[str] = set()
+    sink: TextIO | None = open(output, "w", encoding="utf-8") if output is not None else None
+    try:
+        with open(predictions, encoding="utf-8") as lines:
+            for line_number, text in enumerate(lines, start=1):
+                if not text.strip():
+                    continue
+                try:
+                    prediction = parse_prediction(line_number, text, len(examples))
+                except PredictionError as error:
+                    malformed += 1
+                    report(f"{predictions}:{line_number}: skipped: {error}")
+                    continue
+                example = examples[prediction.index]
+                executor = executor_for(example.db_id)
+                gold = executor.execute(example.query) if executor is not None else None
+                if gold is None or not gold.ok:
+                    reason = "missing_db" if gold is None else f"gold_{gold.error_kind}"
+                    excluded[reason] += 1
+                    if reason != "missing_db" or example.db_id not in missing_reported:
+                        missing_reported.add(example.db_id)
+                        report(f"{predictions}:{line_number}: example {prediction.index} "
+                               f"({example.db_id}) excluded: {reason}"
+                               + (" (reported once per database)" if reason == "missing_db" else ""))
+                    row = {**prediction.record, "correct": None, "excluded": reason}
+                else:
+                    ordered = order_matters(example.query)
+                    results = [executor.execute(sql) for sql in prediction.candidates]
+                    right = [results_equal(gold, r, semantics=semantics, ordered=ordered) for r in results]
+                    chosen = majority_vote(results, semantics) if prediction.voted else 0
+                    n += 1
+                    correct += right[chosen]
+                    if prediction.voted:
+                        n_voted += 1
+                        first_correct += right[0]
+                        vote_correct += right[chosen]
+                        any_correct += any(right)
+                    row = {**prediction.record, "correct": right[chosen],
+                           "sql": prediction.candidates[chosen]}
+                    if not results[chosen].ok:
+                        row["error"] = results[chosen].error_kind
+                if sink is not None:
+                    sink.write(json.dumps(row, ensure_ascii=False) + "\n")
+    finally:
+        if sink is not None:
+            sink.close()
+        for executor in executors.values():
+            if executor is not None:
+                executor.close()
+    summary: dict = {"ex": correct / n if n else 0.0, "n": n}
+    if n_voted:
+        summary["mv"] = {"n": n_voted, "first": first_correct / n_voted, "vote": vote_correct / n_voted,
+                         "any": any_correct / n_voted}
+    summary["excluded"] = dict(excluded)
+    summary["malformed"] = malformed
+    return summary

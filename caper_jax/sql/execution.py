@@ -1,0 +1,329 @@
+"""Sandboxed, cached SQLite execution of untrusted SQL and result equivalence (Spider, BIRD).
+
+Model-written SQL is untrusted. Defence in depth, each layer checked by tests/sql/test_execution.py:
+
+1. the file is opened read-only through a URI (``mode=ro``) and ``PRAGMA query_only`` is set;
+2. ``SQLITE_LIMIT_ATTACHED`` is 0: ATTACH would otherwise create files even on a read-only
+   connection;
+3. an authorizer allows only SELECT / READ / FUNCTION / RECURSIVE actions (never
+   ``load_extension``): every write, DDL, ATTACH, PRAGMA and VACUUM is refused before it runs;
+4. a progress handler aborts a statement past its wall-clock limit, and at most ``max_rows`` rows
+   are fetched, so a runaway recursive CTE or cartesian product costs a bounded time;
+5. exactly one statement per call (sqlite3 refuses stacked statements).
+
+Results are cached by (database, normalised SQL): the annotator re-executes the same gold query once
+per mutation and GRPO groups repeat candidates. Normalisation only strips a trailing ``;`` and
+collapses whitespace outside quotes, which never changes meaning.
+
+Equivalence follows the official evaluators: ``spider`` is test-suite-sql-eval's ``result_eq``
+(bag of rows, or ordered list when the gold query has ORDER BY; any column permutation; no float
+tolerance; two empty results are equal), ``bird`` is ``set(gold) == set(pred)``.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import os
+import pathlib
+import re
+import sqlite3
+import time
+from typing import Literal
+
+ErrorKind = Literal["parse", "forbidden", "timeout", "too_many_rows", "runtime", "missing_db",
+                    "empty", "decode"]
+Semantics = Literal["spider", "bird"]
+
+_ALLOWED_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
+                              sqlite3.SQLITE_RECURSIVE})
+_FORBIDDEN_FUNCTIONS = frozenset({"load_extension"})
+# Every this many SQLite VM instructions the progress handler checks the clock (~tens of µs).
+_PROGRESS_STEPS = 1000
+_MAX_VALUE_BYTES = 16 * 2**20
+# Quoted tokens (strings, identifiers) are kept verbatim; whitespace between them is collapsed.
+_QUOTED = re.compile(r"('[^']*(?:''[^']*)*'|\"[^\"]*(?:\"\"[^\"]*)*\"|`[^`]*(?:``[^`]*)*`|\[[^\]]*\])")
+_SPACE = re.compile(r"\s+")
+_ORDER_BY = re.compile(r"\border\s+by\b", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecResult:
+    rows: tuple[tuple, ...] = ()
+    error_kind: ErrorKind | None = None
+    error: str = ""
+    columns: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.error_kind is None
+
+
+def normalize_sql(sql: str) -> str:
+    """Whitespace-collapsed SQL without a trailing ';' (quoted text untouched): the cache key."""
+    parts = _QUOTED.split(sql)
+    parts[::2] = [_SPACE.sub(" ", part) for part in parts[::2]]
+    return "".join(parts).strip().rstrip(";").strip()
+
+
+def order_matters(gold_sql: str) -> bool:
+    """Spider's rule: compare in order iff the gold SQL contains ORDER BY (anywhere)."""
+    return _ORDER_BY.search(gold_sql) is not None
+
+
+def _authorizer(action: int, arg1, arg2, db_name, trigger) -> int:
+    if action not in _ALLOWED_ACTIONS:
+        return sqlite3.SQLITE_DENY
+    if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() in _FORBIDDEN_FUNCTIONS:
+        return sqlite3.SQLITE_DENY
+    return sqlite3.SQLITE_OK
+
+
+def _decode_text(raw: bytes) -> str:
+    # Spider databases hold some non-UTF-8 text; the official evaluator decodes leniently too.
+    return raw.decode("utf-8", errors="replace")
+
+
+def open_readonly(db_path: str | os.PathLike) -> sqlite3.Connection:
+    """A sandboxed connection (layers 1-3 of the module docstring). Raises FileNotFoundError."""
+    path = pathlib.Path(db_path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"database not found: {path}")
+    # Serialised use from several threads is fine (Grain may hand work between threads);
+    # concurrent use of one Executor is not (its deadline and cache are per executor).
+    connection = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, check_same_thread=False,
+                                 isolation_level=None)
+    connection.execute("PRAGMA query_only = 1")
+    connection.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+    # zeroblob(1e9) would otherwise allocate a gigabyte inside one row.
+    connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
+    connection.set_authorizer(_authorizer)
+    return connection
+
+
+class Executor:
+    """Executes single SELECT statements on one database, sandboxed, time- and row-limited, cached.
+
+    A missing database does not raise: every call returns ``error_kind="missing_db"``, so a
+    batch over many examples can report and skip them. Not for concurrent use by several
+    threads at once (one deadline and cache per executor): use one per worker.
+    """
+
+    def __init__(self, db_path: str | os.PathLike, timeout_s: float = 2.0, max_rows: int = 10_000,
+                 cache_size: int = 4096):
+        if timeout_s <= 0 or max_rows <= 0 or cache_size < 0:
+            raise ValueError(f"need timeout_s > 0, max_rows > 0, cache_size >= 0; got "
+                             f"{timeout_s}, {max_rows}, {cache_size}")
+        self.db_path = pathlib.Path(db_path)
+        self.timeout_s = timeout_s
+        self.max_rows = max_rows
+        self.cache_size = cache_size
+        self.sqlite_seconds = 0.0  # time spent inside SQLite (execute + fetch), for benchmarks
+        self._cache: collections.OrderedDict[str, ExecResult] = collections.OrderedDict()
+        self._deadline = 0.0
+        self._closed = False
+        try:
+            self._connection: sqlite3.Connection | None = open_readonly(self.db_path)
+        except FileNotFoundError:
+            self._connection = None
+        if self._connection is not None:
+            self._connection.set_progress_handler(self._past_deadline, _PROGRESS_STEPS)
+
+    def _past_deadline(self) -> int:
+        return 1 if time.monotonic() > self._deadline else 0
+
+    def close(self) -> None:
+        self._closed = True
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def execute(self, sql: str | bytes) -> ExecResult:
+        if isinstance(sql, bytes):
+            try:
+                sql = sql.decode("utf-8")
+            except UnicodeDecodeError as error:
+                return ExecResult(error_kind="decode", error=f"SQL is not UTF-8: {error}")
+        if not isinstance(sql, str):
+            raise TypeError(f"sql must be str or bytes, got {type(sql).__name__}")
+        if self._closed:
+            raise RuntimeError(f"executor of {self.db_path} is closed")
+        key = normalize_sql(sql)
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            return cached
+        result = self._run(key)
+        if result.error_kind != "missing_db" and self.cache_size:
+            self._cache[key] = result
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return result
+
+    def _run(self, sql: str) -> ExecResult:
+        if self._connection is None:
+            return ExecResult(error_kind="missing_db", error=f"database not found: {self.db_path}")
+        if not sql:
+            return ExecResult(error_kind="empty", error="empty SQL")
+        try:
+            sql.encode("utf-8")
+        except UnicodeEncodeError as error:
+            return ExecResult(error_kind="decode", error=f"SQL is not valid Unicode: {error}")
+        if not sqlite3.complete_statement(sql + ";"):
+            return ExecResult(error_kind="parse", error="incomplete SQL statement")
+        try:
+            return self._query(sql)
+        except _NotUtf8:
+            # Rare non-UTF-8 text in the data: decode leniently (as the official evaluator does)
+            # only then, since a Python text_factory costs a call per value.
+            self._connection.text_factory = _decode_text
+            try:
+                return self._query(sql)
+            finally:
+                self._connection.text_factory = str
+
+    def _query(self, sql: str) -> ExecResult:
+        start = time.monotonic()
+        self._deadline = start + self.timeout_s
+        cursor = self._connection.cursor()
+        try:
+            cursor.execute(sql)
+            rows = cursor.fetchmany(self.max_rows + 1)
+        except sqlite3.ProgrammingError as error:
+            if "one statement at a time" not in str(error):
+                raise  # misuse of the executor (e.g. after close), not bad SQL
+            return ExecResult(error_kind="forbidden", error=str(error))
+        except sqlite3.DatabaseError as error:
+            if str(error).startswith("Could not decode to UTF-8"):
+                raise _NotUtf8 from error
+            return ExecResult(error_kind=_classify(error, time.monotonic() > self._deadline),
+                              error=str(error))
+        except (OverflowError, MemoryError, ValueError) as error:
+            return ExecResult(error_kind="runtime", error=f"{type(error).__name__}: {error}")
+        finally:
+            self.sqlite_seconds += time.monotonic() - start
+            cursor.close()
+        if len(rows) > self.max_rows:
+            return ExecResult(error_kind="too_many_rows", error=f"more than {self.max_rows} rows")
+        columns = tuple(d[0] for d in cursor.description or ())
+        return ExecResult(rows=tuple(rows), columns=columns)
+
+
+class _NotUtf8(Exception):
+    pass
+
+
+class Executors:
+    """One Executor per database of a Spider/BIRD layout: ``<database_dir>/<db_id>/<db_id>.sqlite``."""
+
+    def __init__(self, database_dir: str | os.PathLike, **executor_kwargs):
+        self.database_dir = pathlib.Path(database_dir)
+        self.executor_kwargs = executor_kwargs
+        self._executors: dict[str, Executor] = {}
+
+    def db_path(self, db_id: str) -> pathlib.Path:
+        return self.database_dir / db_id / f"{db_id}.sqlite"
+
+    def __getitem__(self, db_id: str) -> Executor:
+        executor = self._executors.get(db_id)
+        if executor is None:
+            executor = self._executors[db_id] = Executor(self.db_path(db_id), **self.executor_kwargs)
+        return executor
+
+    def execute(self, db_id: str, sql: str | bytes) -> ExecResult:
+        return self[db_id].execute(sql)
+
+    def close(self) -> None:
+        for executor in self._executors.values():
+            executor.close()
+        self._executors.clear()
+
+    def __enter__(self) -> Executors:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_FORBIDDEN_MARKERS = ("not authorized", "authorization denied", "prohibited", "readonly", "read-only",
+                      "too many attached")
+
+
+def _classify(error: sqlite3.DatabaseError, past_deadline: bool) -> ErrorKind:
+    message = str(error).lower()
+    if "interrupted" in message and past_deadline:
+        return "timeout"
+    if any(marker in message for marker in _FORBIDDEN_MARKERS):
+        return "forbidden"
+    if "syntax error" in message or "incomplete input" in message or "unrecognized token" in message:
+        return "parse"
+    return "runtime"
+
+
+def _multiset_equal(a: tuple[tuple, ...], b: tuple[tuple, ...] | list[tuple]) -> bool:
+    return collections.Counter(a) == collections.Counter(b)
+
+
+def _cells(rows: tuple[tuple, ...]) -> collections.Counter:
+    return collections.Counter(itertools.chain.from_iterable(rows))
+
+
+def _column_permutations(gold: tuple[tuple, ...], pred: tuple[tuple, ...]):
+    """Yields perm with pred column perm[i] as gold column i, pruned by column value multisets.
+
+    Any bag or ordered match implies equal per-column multisets, so the pruning is exact; the
+    official evaluator prunes with a 20-row sample and then checks the same condition.
+    """
+    n = len(gold[0])
+    gold_columns = [collections.Counter(row[i] for row in gold) for i in range(n)]
+    pred_columns = [collections.Counter(row[j] for row in pred) for j in range(n)]
+    candidates = [[j for j in range(n) if pred_columns[j] == gold_columns[i]] for i in range(n)]
+
+    def extend(prefix: list[int]):
+        i = len(prefix)
+        if i == n:
+            yield tuple(prefix)
+            return
+        for j in candidates[i]:
+            if j not in prefix:
+                yield from extend(prefix + [j])
+
+    yield from extend([])
+
+
+def results_equal(gold: ExecResult, pred: ExecResult, *, semantics: Semantics = "spider",
+                  ordered: bool) -> bool:
+    """Whether pred's result matches gold's. A failed execution on either side is never equal.
+
+    ``ordered`` applies to ``spider`` only (see ``order_matters``); ``bird`` compares row sets.
+    """
+    if not (gold.ok and pred.ok):
+        return False
+    if semantics == "bird":
+        return set(gold.rows) == set(pred.rows)
+    if semantics != "spider":
+        raise ValueError(f"unknown semantics {semantics!r}; expected 'spider' or 'bird'")
+    g, p = gold.rows, pred.rows
+    if not g and not p:
+        return True
+    if len(g) != len(p) or len(g[0]) != len(p[0]):
+        return False
+    if (g == p) if ordered else _multiset_equal(g, p):  # identity permutation, the common case
+        return True
+    if len(g[0]) == 1 or _cells(g) != _cells(p):  # permuting columns keeps the bag of cells
+        return False
+    for perm in _column_permutations(g, p):
+        permuted = [tuple(row[j] for j in perm) for row in p]
+        if (list(g) == permuted) if ordered else _multiset_equal(g, permuted):
+            return True
+    return False
+
+
+__all__ = ["ErrorKind", "ExecResult", "Executor", "Executors", "normalize_sql", "open_readonly",
+           "order_matters", "results_equal"]

@@ -1,0 +1,423 @@
+"""Fault injection: type-preserving single-node mutations of a correct query, verified by execution.
+
+A correct query yields preference tuples by breaking it on purpose: one editable node is replaced by
+a plausible, same-typed alternative, and the mutant is kept only when it parses, executes without
+error and its result differs from the gold result under Spider semantics. The mutated node is the
+root cause v* that reward propagation starts from.
+
+Catalogue (``MUTATION_KINDS``; docs/sql.md lists the exact rules):
+
+=================  ==========================================================================
+column             a column → another column of the same type class from a table in scope
+join_key           a column of a JOIN ... ON condition → another same-typed column of its table
+comparison         = != < <= > >= → another of them
+aggregate          MAX MIN AVG SUM → another (MAX ↔ MIN only for text and time)
+literal            a value → another value of the compared column, read from the database
+                   (numbers without a column: ±1); LIKE patterns keep their wildcards
+and_or             AND ↔ OR
+order_direction    ASC ↔ DESC
+limit              LIMIT n → n ± 1
+distinct           SELECT ↔ SELECT DISTINCT; COUNT(x) ↔ COUNT(DISTINCT x)
+table              a FROM/JOIN table → another table holding every column read through it
+                   (same names and type classes); the old name stays as alias
+=================  ==========================================================================
+
+Spider writes string values in double quotes, which SQLite reads as identifiers that fall back to
+strings; a double-quoted identifier that names no column in scope is therefore treated as a string
+literal.
+
+Speed: candidates are applied to the gold tree in place, rendered and reverted; only accepted
+mutants are copied. Kinds are visited round-robin in a random order so the negatives of one query
+cover different kinds of fault.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Callable, Iterator
+
+from sqlglot import exp
+
+from caper_jax.sql.clauses import SqlParseError, clause_of, clone_tree, parse_sql, render_sql
+from caper_jax.sql.execution import ExecResult, Executor, order_matters, results_equal
+from caper_jax.sql.schema import Column, Schema
+
+MUTATION_KINDS = ("column", "join_key", "comparison", "aggregate", "literal", "and_or",
+                  "order_direction", "limit", "distinct", "table")
+
+_COMPARISONS = (exp.EQ, exp.NEQ, exp.GT, exp.GTE, exp.LT, exp.LTE)
+_NUMERIC_AGGREGATES = (exp.Max, exp.Min, exp.Avg, exp.Sum)
+_ORDER_AGGREGATES = (exp.Max, exp.Min)
+_VALUE_SAMPLE = 30  # distinct values read per column for literal mutations
+_ALTERNATIVES_PER_SITE = 2  # candidates tried per edit site before moving on
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Negative:
+    sql: str  # the mutant, rendered by sqlglot (render_sql)
+    tree: exp.Expression  # its AST (parse_sql(sql) == tree)
+    node: exp.Expression  # v*: the mutated node inside tree (the Select, for a removed DISTINCT)
+    clause: str  # name of the clause unit that holds node (see clauses.split_clauses)
+    mutation: str  # one of MUTATION_KINDS
+    root_node_sql: str  # SQL of v* in the mutant ("" when DISTINCT was removed)
+    gold_node_sql: str  # SQL of the gold node it replaced ("" when DISTINCT was added)
+    result: ExecResult  # the mutant's (different) execution result
+
+
+@dataclasses.dataclass(frozen=True)
+class _Edit:
+    """One candidate: set ``owner.args[key]`` (``index`` into a list arg) to ``make()``.
+
+    The replacement is built only when the edit is tried: most candidates never are.
+    """
+    kind: str
+    owner: exp.Expression
+    key: str
+    index: int | None
+    make: Callable[[], exp.Expression | None]
+
+    def swap(self, value):
+        """Puts value in place and returns what was there (swap back to revert)."""
+        current = self.owner.args.get(self.key)
+        old = current if self.index is None else current[self.index]
+        self.owner.set(self.key, value, index=self.index)
+        return old
+
+
+def _replace(kind: str, node: exp.Expression, make: Callable[[], exp.Expression]) -> _Edit:
+    index = node.index if isinstance(node.parent.args.get(node.arg_key), list) else None
+    return _Edit(kind, node.parent, node.arg_key, index, make)
+
+
+class _Scopes:
+    """Resolves columns of one query to schema columns through the FROM/JOIN tables of each SELECT."""
+
+    def __init__(self, schema: Schema):
+        self.schema = schema
+        self._tables: dict[int, dict[str, str]] = {}
+        self._resolved: dict[int, tuple[exp.Select, str, Column] | None] = {}
+
+    def tables(self, select: exp.Select) -> dict[str, str]:
+        """alias (or name), lower-cased → schema table name, for the tables a SELECT reads."""
+        key = id(select)
+        if key not in self._tables:
+            sources = [select.args.get("from_")] + list(select.args.get("joins") or [])
+            mapping = {}
+            for source in sources:
+                table = source.this if source is not None else None
+                if isinstance(table, exp.Table) and self.schema.has_table(table.name):
+                    mapping[(table.alias_or_name).lower()] = self.schema.table_name(table.name)
+            self._tables[key] = mapping
+        return self._tables[key]
+
+    def resolve(self, column: exp.Column) -> tuple[exp.Select, str, Column] | None:
+        """(SELECT whose scope holds it, alias key, schema column), or None when unknown/ambiguous."""
+        key = id(column)  # gold nodes only: sites are expanded while the tree is unmutated
+        if key not in self._resolved:
+            self._resolved[key] = self._resolve(column)
+        return self._resolved[key]
+
+    def _resolve(self, column: exp.Column) -> tuple[exp.Select, str, Column] | None:
+        select = column.find_ancestor(exp.Select)
+        name = column.name
+        while select is not None:
+            tables = self.tables(select)
+            if column.table:
+                table = tables.get(column.table.lower())
+                if table is not None:
+                    found = self.schema.column(table, name)
+                    return (select, column.table.lower(), found) if found else None
+            else:
+                matches = [(alias, self.schema.column(t, name)) for alias, t in tables.items()
+                           if self.schema.column(t, name) is not None]
+                if len(matches) == 1:
+                    return select, matches[0][0], matches[0][1]
+                if len(matches) > 1:
+                    return None
+            select = select.find_ancestor(exp.Select)
+        return None
+
+
+def _in_join_condition(node: exp.Expression) -> bool:
+    while node.parent is not None:
+        if node.arg_key == "on" and isinstance(node.parent, exp.Join):
+            return True
+        node = node.parent
+    return False
+
+
+def _is_string_value(column: exp.Column, scopes: _Scopes) -> bool:
+    identifier = column.this
+    return (not column.table and isinstance(identifier, exp.Identifier) and identifier.quoted
+            and scopes.resolve(column) is None)
+
+
+def _column_node(name: str, qualifier: str | None) -> exp.Column:
+    return exp.Column(this=exp.to_identifier(name),
+                      table=exp.to_identifier(qualifier) if qualifier else None)
+
+
+class _Sites:
+    """Candidate edits of one gold tree, grouped by kind, produced lazily per site."""
+
+    def __init__(self, tree: exp.Expression, schema: Schema, executor: Executor, rng: random.Random):
+        self.tree, self.schema, self.executor, self.rng = tree, schema, executor, rng
+        self.scopes = _Scopes(schema)
+        self.by_kind: dict[str, list[Callable[[], list[_Edit]]]] = {k: [] for k in MUTATION_KINDS}
+        for node in tree.walk():
+            self._collect(node)
+
+    def _add(self, kind: str, make: Callable[[], list[_Edit]]) -> None:
+        self.by_kind[kind].append(make)
+
+    def _collect(self, node: exp.Expression) -> None:
+        if isinstance(node, exp.Column) and not isinstance(node.this, exp.Star):
+            if _is_string_value(node, self.scopes):
+                self._add("literal", lambda n=node: self._literal_edits(n, n.name, True))
+            elif _in_join_condition(node):
+                self._add("join_key", lambda n=node: self._column_edits(n, "join_key"))
+            else:
+                self._add("column", lambda n=node: self._column_edits(n, "column"))
+        elif isinstance(node, _COMPARISONS) and not _in_join_condition(node):
+            self._add("comparison", lambda n=node: [
+                _replace("comparison", n, lambda c=cls: _rebuild(c, n)) for cls in _COMPARISONS
+                if not isinstance(n, cls)])
+        elif isinstance(node, _NUMERIC_AGGREGATES):
+            self._add("aggregate", lambda n=node: self._aggregate_edits(n))
+        elif isinstance(node, exp.Count) and not isinstance(node.this, exp.Star) and node.this is not None:
+            self._add("distinct", lambda n=node: [_replace("distinct", n, lambda: exp.Count(
+                this=clone_tree(n.this.expressions[0]) if isinstance(n.this, exp.Distinct)
+                else exp.Distinct(expressions=[clone_tree(n.this)])))])
+        elif isinstance(node, exp.Literal) and not node.find_ancestor(
+                exp.Limit, exp.Offset, exp.Order, exp.Group):  # ORDER/GROUP BY 1 are positions
+            if isinstance(node.parent, exp.Neg):  # -5 is one value: replace the negation
+                self._add("literal",
+                          lambda n=node.parent: self._literal_edits(n, "-" + n.this.this, False))
+            else:
+                self._add("literal", lambda n=node: self._literal_edits(n, n.this, n.is_string))
+        elif isinstance(node, (exp.And, exp.Or)):
+            other = exp.Or if isinstance(node, exp.And) else exp.And
+            self._add("and_or", lambda n=node, o=other: [
+                _replace("and_or", n, lambda: _rebuild(o, n))])
+        elif isinstance(node, exp.Ordered):
+            self._add("order_direction", lambda n=node: [
+                _replace("order_direction", n, lambda: _flip(n))])
+        elif isinstance(node, exp.Limit) and isinstance(node.expression, exp.Literal) \
+                and node.expression.is_int:
+            self._add("limit", lambda n=node: self._limit_edits(n.expression))
+        elif isinstance(node, exp.Select):
+            self._add("distinct", lambda n=node: [_Edit(
+                "distinct", n, "distinct", None,
+                lambda: None if n.args.get("distinct") else exp.Distinct())])
+        elif isinstance(node, exp.Table) and node.parent is not None \
+                and isinstance(node.parent, (exp.From, exp.Join)) and self.schema.has_table(node.name):
+            self._add("table", lambda n=node: self._table_edits(n))
+
+    def _column_edits(self, column: exp.Column, kind: str) -> list[_Edit]:
+        resolved = self.scopes.resolve(column)
+        if resolved is None:
+            return []
+        select, alias, current = resolved
+        tables = self.scopes.tables(select)
+        aliases = [alias] if kind == "join_key" else list(tables)
+        edits = []
+        for candidate_alias in aliases:
+            for candidate in self.schema.columns_of(tables[candidate_alias]):
+                if candidate.type != current.type or candidate == current:
+                    continue
+                owners = [a for a, t in tables.items() if self.schema.column(t, candidate.name)]
+                qualify = bool(column.table) or len(owners) > 1
+                qualifier = _original_alias(select, candidate_alias) if qualify else None
+                edits.append(_replace(kind, column,
+                                      lambda c=candidate.name, q=qualifier: _column_node(c, q)))
+        return edits
+
+    def _aggregate_edits(self, node: exp.Expression) -> list[_Edit]:
+        argument = node.this
+        type_ = None
+        if isinstance(argument, exp.Column):
+            resolved = self.scopes.resolve(argument)
+            type_ = resolved[2].type if resolved else None
+        choices = _NUMERIC_AGGREGATES if type_ in (None, "number") else _ORDER_AGGREGATES
+        return [_replace("aggregate", node, lambda c=cls: c(this=clone_tree(argument)))
+                for cls in choices if not isinstance(node, cls)]
+
+    def _compared_column(self, value: exp.Expression) -> Column | None:
+        """The schema column a value is compared with (=, <, IN, BETWEEN, LIKE, ...)."""
+        parent = value.parent
+        while isinstance(parent, (exp.Paren, exp.Neg, exp.Tuple)):
+            parent = parent.parent
+        if parent is None:
+            return None
+        sides = (parent.args.get("this"), parent.args.get("expression"))
+        column = next((c for c in sides if isinstance(c, exp.Column) and c is not value), None)
+        if column is None:
+            return None
+        resolved = self.scopes.resolve(column)
+        return resolved[2] if resolved else None
+
+    def _values(self, column: Column) -> list:
+        table = column.table.replace('"', '""')
+        name = column.name.replace('"', '""')
+        result = self.executor.execute(
+            f'SELECT DISTINCT "{name}" FROM "{table}" WHERE "{name}" IS NOT NULL LIMIT {_VALUE_SAMPLE}')
+        return [row[0] for row in result.rows] if result.ok else []
+
+    def _literal_edits(self, node: exp.Expression, text: str, is_string: bool) -> list[_Edit]:
+        column = self._compared_column(node)
+        pattern = isinstance(node.parent, exp.Like) and "%" in text
+        values = []
+        if column is not None:
+            for value in self._values(column):
+                if isinstance(value, bytes):
+                    continue
+                if pattern and isinstance(value, str):
+                    value = f"%{value}%"
+                if str(value) != text:
+                    values.append(value)
+        elif not is_string:
+            try:
+                number = float(text) if any(c in text for c in ".eE") else int(text)
+            except ValueError:  # e.g. a hex literal: leave it alone
+                return []
+            values = [number + 1, number - 1]
+        edits = []
+        for value in values:
+            if is_string or isinstance(value, str):
+                new = exp.Literal.string(str(value))
+            else:
+                new = exp.Literal.number(value)
+            edits.append(_replace("literal", node, lambda n=new: n))
+        return edits
+
+    def _limit_edits(self, literal: exp.Literal) -> list[_Edit]:
+        n = int(literal.this)
+        return [_replace("limit", literal, lambda m=m: exp.Literal.number(m))
+                for m in (n + 1, n - 1) if m > 0]
+
+    def _table_edits(self, table: exp.Table) -> list[_Edit]:
+        select = table.find_ancestor(exp.Select)
+        if select is None:
+            return []
+        alias = table.alias_or_name.lower()
+        needed = set()
+        for column in select.find_all(exp.Column):
+            resolved = self.scopes.resolve(column)
+            if resolved is not None and resolved[0] is select and resolved[1] == alias:
+                needed.add((resolved[2].name.lower(), resolved[2].type))
+        in_scope = {t.lower() for t in self.scopes.tables(select).values()}
+        edits = []
+        for other in self.schema.tables:
+            if other.lower() in in_scope:
+                continue
+            if all((c := self.schema.column(other, name)) is not None and c.type == type_
+                   for name, type_ in needed):
+                new = exp.Table(this=exp.to_identifier(other),
+                                alias=exp.TableAlias(this=exp.to_identifier(table.alias_or_name)))
+                edits.append(_replace("table", table, lambda n=new: n))
+        return edits
+
+    def edits(self) -> Iterator[_Edit]:
+        """Round-robin over kinds in random order, a few alternatives per site; then the rest."""
+        queues = {k: self.rng.sample(v, len(v)) for k, v in self.by_kind.items() if v}
+        kinds = self.rng.sample(list(queues), len(queues))
+        leftovers: list[_Edit] = []
+        while kinds:
+            for kind in list(kinds):
+                if not queues[kind]:
+                    kinds.remove(kind)
+                    continue
+                alternatives = queues[kind].pop()()
+                self.rng.shuffle(alternatives)
+                yield from alternatives[:_ALTERNATIVES_PER_SITE]
+                leftovers.extend(alternatives[_ALTERNATIVES_PER_SITE:])
+        yield from leftovers
+
+
+def _rebuild(cls: type, node: exp.Binary) -> exp.Binary:
+    """The same operands under another binary operator."""
+    return cls(this=clone_tree(node.this), expression=clone_tree(node.expression))
+
+
+def _flip(ordered: exp.Ordered) -> exp.Ordered:
+    """ASC ↔ DESC with SQLite's default NULL placement for the new direction (NULLs smallest)."""
+    desc = not ordered.args.get("desc")
+    return exp.Ordered(this=clone_tree(ordered.this), desc=desc, nulls_first=not desc)
+
+
+def _original_alias(select: exp.Select, alias_key: str) -> str | None:
+    """The alias (or table name) as written, for the alias key of a table in the SELECT."""
+    sources = [select.args.get("from_")] + list(select.args.get("joins") or [])
+    for source in sources:
+        if source is not None and isinstance(source.this, exp.Table) \
+                and source.this.alias_or_name.lower() == alias_key:
+            return source.this.alias_or_name
+    return None
+
+
+def _path(node: exp.Expression) -> list[tuple[str, int | None]]:
+    steps = []
+    while node.parent is not None:
+        is_list = isinstance(node.parent.args.get(node.arg_key), list)
+        steps.append((node.arg_key, node.index if is_list else None))
+        node = node.parent
+    return steps[::-1]
+
+
+def _follow(root: exp.Expression, path: list[tuple[str, int | None]]) -> exp.Expression:
+    node = root
+    for key, index in path:
+        node = node.args[key] if index is None else node.args[key][index]
+    return node
+
+
+def inject_faults(sql: str, executor: Executor, schema: Schema, per_query: int,
+                  rng: random.Random, *, max_attempts: int | None = None,
+                  gold_result: ExecResult | None = None) -> list[Negative]:
+    """Up to ``per_query`` verified negatives of a correct query (fewer if none are found).
+
+    A negative parses, executes OK and differs from the gold result (Spider semantics, ordered iff
+    gold has ORDER BY). Returns [] when the gold query itself fails to execute. At most
+    ``max_attempts`` (default ``8 * per_query``) mutants are executed.
+    """
+    if per_query < 0:
+        raise ValueError(f"per_query must be >= 0, got {per_query}")
+    tree = parse_sql(sql)
+    gold = gold_result if gold_result is not None else executor.execute(sql)
+    if not gold.ok or per_query == 0:
+        return []
+    ordered = order_matters(sql)
+    budget = max_attempts if max_attempts is not None else 8 * per_query
+    seen = {render_sql(tree)}
+    negatives: list[Negative] = []
+    for edit in _Sites(tree, schema, executor, rng).edits():
+        if len(negatives) >= per_query or budget <= 0:
+            break
+        new = edit.make()
+        old = edit.swap(new)
+        try:
+            mutant_sql = render_sql(tree)
+            if mutant_sql in seen:
+                continue
+            seen.add(mutant_sql)
+            budget -= 1
+            result = executor.execute(mutant_sql)
+            if not result.ok or results_equal(gold, result, semantics="spider", ordered=ordered):
+                continue
+            target = new if new is not None else edit.owner
+            path = _path(target)
+            mutant = clone_tree(tree)
+        finally:
+            edit.swap(old)
+        node = _follow(mutant, path)
+        # A removed DISTINCT leaves its SELECT as v*; the clause is that SELECT's projection list.
+        clause = clause_of(node.expressions[0] if isinstance(node, exp.Select) else node)
+        negatives.append(Negative(
+            sql=mutant_sql, tree=mutant, node=node, clause=clause, mutation=edit.kind,
+            root_node_sql=render_sql(node) if new is not None else "",
+            gold_node_sql=render_sql(old) if isinstance(old, exp.Expression) else "",
+            result=result))
+    return negatives
+
+
+__all__ = ["MUTATION_KINDS", "Negative", "SqlParseError", "inject_faults", "render_sql"]

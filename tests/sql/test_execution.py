@@ -1,0 +1,217 @@
+"""Sandboxed execution (hostile SQL on a temp copy of a Spider db) and result equivalence rules."""
+import hashlib
+import itertools
+import json
+import random
+import shutil
+import sqlite3
+import time
+
+import pytest
+
+from caper_jax.sql.execution import (ExecResult, Executor, Executors, normalize_sql, order_matters,
+                                     results_equal)
+
+TIMEOUT_S = 0.3
+
+
+@pytest.fixture()
+def db_copy(spider, tmp_path, monkeypatch):
+    """A private copy of concert_singer; the cwd is its folder so relative ATTACH files land there."""
+    folder = tmp_path / "db"
+    folder.mkdir()
+    path = folder / "concert_singer.sqlite"
+    shutil.copy(spider / "database" / "concert_singer" / "concert_singer.sqlite", path)
+    monkeypatch.chdir(folder)
+    return path
+
+
+def fingerprint(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+HOSTILE = [
+    ("INSERT INTO singer (Singer_ID, Name) VALUES (99, 'x')", "forbidden"),
+    ("UPDATE singer SET Name = 'x'", "forbidden"),
+    ("DELETE FROM singer", "forbidden"),
+    ("DROP TABLE singer", "forbidden"),
+    ("CREATE TABLE evil (a)", "forbidden"),
+    ("CREATE TEMP TABLE evil (a)", "forbidden"),
+    ("ATTACH DATABASE 'evil.sqlite' AS evil", "forbidden"),
+    ("ATTACH DATABASE ':memory:' AS evil", "forbidden"),
+    ("PRAGMA journal_mode = WAL", "forbidden"),
+    ("PRAGMA query_only = 0", "forbidden"),
+    ("SELECT * FROM pragma_table_info('singer')", "forbidden"),
+    ("VACUUM", "forbidden"),
+    ("VACUUM INTO 'copy.sqlite'", "forbidden"),
+    ("SELECT load_extension('libevil')", "forbidden"),
+    ("SELECT 1; DELETE FROM singer", "forbidden"),
+    ("SELECT 1; SELECT 2", "forbidden"),
+    ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c", "timeout"),
+    ("SELECT count(*) FROM singer a, singer b, singer c, singer d, singer e, singer f, singer g, "
+     "singer h, singer i WHERE a.Age + b.Age + c.Age + d.Age + e.Age + f.Age + g.Age + h.Age > i.Age",
+     "timeout"),
+    ("SELECT * FROM singer a, singer b, singer c, singer d", "too_many_rows"),
+    ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT x FROM c", "too_many_rows"),
+    ("SELECT zeroblob(1000000000)", "runtime"),
+    (b"SELECT 'caf\xe9'", "decode"),
+    ("SELECT '\udcff'", "decode"),
+    ("", "empty"),
+    (" ;\n", "empty"),
+    ("SELEC Name FROM singer", "parse"),
+    ("SELECT 'unterminated", "parse"),
+    ("SELECT nope FROM singer", "runtime"),
+]
+
+
+@pytest.mark.parametrize("sql,kind", HOSTILE, ids=[repr(s)[:40] for s, _ in HOSTILE])
+def test_hostile_sql_gets_typed_error_in_time_and_leaves_files_alone(db_copy, sql, kind):
+    before = fingerprint(db_copy.parent)
+    with Executor(db_copy, timeout_s=TIMEOUT_S, max_rows=1000) as executor:
+        start = time.monotonic()
+        result = executor.execute(sql)
+        elapsed = time.monotonic() - start
+        assert not result.ok and result.rows == ()
+        assert result.error_kind == kind, result.error
+        assert elapsed < TIMEOUT_S + 0.5
+        assert executor.execute("SELECT count(*) FROM singer").rows == ((6,),)  # still usable
+    assert fingerprint(db_copy.parent) == before
+
+
+def test_gold_queries_match_a_plain_sqlite_connection(spider):
+    examples = json.loads((spider / "dev.json").read_text())
+    executors = Executors(spider / "database")
+    checked = 0
+    references = {}
+    for example in examples:
+        path = executors.db_path(example["db_id"])
+        if not path.exists():
+            assert executors.execute(example["db_id"], example["query"]).error_kind == "missing_db"
+            continue
+        if path not in references:
+            references[path] = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+            references[path].text_factory = lambda b: b.decode("utf-8", errors="replace")
+        reference = references[path]
+        result = executors.execute(example["db_id"], example["query"])
+        assert result.ok, (example["query"], result.error)
+        assert list(result.rows) == reference.execute(example["query"]).fetchall()
+        checked += 1
+    executors.close()
+    assert checked > 900
+
+
+def test_cache_hits_on_whitespace_but_not_inside_quotes(db_copy):
+    with Executor(db_copy) as executor:
+        first = executor.execute("SELECT Name FROM singer WHERE Age > 30")
+        assert executor.execute("  SELECT Name\n FROM   singer WHERE Age > 30 ;") is first
+        assert executor.execute("SELECT 'a  b'").rows == (("a  b",),)
+        assert executor.execute("SELECT 'a b'").rows == (("a b",),)
+    assert normalize_sql("SELECT  \"x  y\" ,\t[a  b]  ;") == "SELECT \"x  y\" , [a  b]"
+
+
+def test_missing_database_is_typed_and_bad_limits_raise(tmp_path):
+    executor = Executor(tmp_path / "absent.sqlite")
+    assert executor.execute("SELECT 1").error_kind == "missing_db"
+    assert not (tmp_path / "absent.sqlite").exists()
+    with pytest.raises(ValueError):
+        Executor(tmp_path / "absent.sqlite", timeout_s=0)
+    with pytest.raises(TypeError):
+        executor.execute(3)
+
+
+def test_order_matters_follows_the_gold_order_by():
+    assert order_matters("SELECT a FROM t ORDER  BY a")
+    assert order_matters("select a from t order\nby a desc limit 1")
+    assert not order_matters("SELECT a FROM t GROUP BY a")
+
+
+def ok(*rows):
+    return ExecResult(rows=tuple(rows))
+
+
+@pytest.mark.parametrize("gold,pred,ordered,spider,bird", [
+    (ok((1,), (2,)), ok((2,), (1,)), False, True, True),          # bag: order free
+    (ok((1,), (2,)), ok((2,), (1,)), True, False, True),          # ORDER BY in gold: order counts
+    (ok((1,), (1,), (2,)), ok((1,), (2,), (2,)), False, False, True),  # multiplicity (DISTINCT) counts
+    (ok((1,), (2,)), ok((1,), (2,), (2,)), False, False, True),
+    (ok((1, "a"), (2, "b")), ok(("a", 1), ("b", 2)), False, True, False),  # column permutation
+    (ok((1, "a"), (2, "b")), ok(("b", 2), ("a", 1)), True, False, False),
+    (ok((1, 2), (3, 4)), ok((2, 1), (3, 4)), False, False, False),  # permutation must be global
+    (ok((1,), (2,)), ok((1.0,), (2.0,)), False, True, True),      # 1 == 1.0, as in Python
+    (ok((0.1 + 0.2,)), ok((0.3,)), False, False, False),          # no float tolerance
+    (ok(), ok(), True, True, True),
+    (ok(), ok((None,)), False, False, False),
+    (ok((1, 2)), ok((1,)), False, False, False),
+    (ok((None,)), ok((None,)), False, True, True),
+])
+def test_hand_written_result_pairs(gold, pred, ordered, spider, bird):
+    assert results_equal(gold, pred, semantics="spider", ordered=ordered) is spider
+    assert results_equal(gold, pred, semantics="bird", ordered=ordered) is bird
+
+
+def test_failed_executions_are_never_equal_and_semantics_is_checked():
+    error = ExecResult(error_kind="timeout", error="interrupted")
+    assert not results_equal(error, error, semantics="spider", ordered=False)
+    assert not results_equal(ok((1,)), error, semantics="bird", ordered=False)
+    with pytest.raises(ValueError):
+        results_equal(ok(), ok(), semantics="exact", ordered=False)
+
+
+def naive_spider_equal(gold, pred, ordered):
+    """Brute force over all column permutations (the official rule without pruning)."""
+    if not gold and not pred:
+        return True
+    if len(gold) != len(pred) or len(gold[0]) != len(pred[0]):
+        return False
+    for perm in itertools.permutations(range(len(gold[0]))):
+        permuted = [tuple(row[j] for j in perm) for row in pred]
+        if ordered and list(gold) == permuted:
+            return True
+        if not ordered and sorted(map(repr, gold)) == sorted(map(repr, permuted)):
+            return True
+    return False
+
+
+def test_spider_equivalence_matches_brute_force_on_random_tables():
+    rng = random.Random(0)
+    agreements = {True: 0, False: 0}
+    for _ in range(3000):
+        n_rows, n_cols = rng.randint(0, 4), rng.randint(1, 4)
+        gold = tuple(tuple(rng.randint(0, 2) for _ in range(n_cols)) for _ in range(n_rows))
+        pred = list(gold)
+        action = rng.randrange(4)
+        if action == 0 and pred:
+            perm = rng.sample(range(n_cols), n_cols)
+            pred = [tuple(row[j] for j in perm) for row in pred]
+        elif action == 1:
+            rng.shuffle(pred)
+        elif action == 2 and pred:
+            pred[rng.randrange(len(pred))] = tuple(rng.randint(0, 2) for _ in range(n_cols))
+        ordered = rng.random() < 0.5
+        expected = naive_spider_equal(gold, tuple(pred), ordered)
+        assert results_equal(ok(*gold), ok(*pred), semantics="spider", ordered=ordered) is expected
+        agreements[expected] += 1
+    assert min(agreements.values()) > 300
+
+
+def test_non_utf8_text_in_the_data_is_decoded_leniently(tmp_path):
+    path = tmp_path / "latin.sqlite"
+    connection = sqlite3.connect(path)
+    connection.execute("CREATE TABLE t (a TEXT)")
+    connection.execute("INSERT INTO t VALUES (CAST(x'636166e9' AS TEXT)), ('ok')")  # latin-1 'café'
+    connection.commit()
+    connection.close()
+    with Executor(path) as executor:
+        result = executor.execute("SELECT a FROM t ORDER BY rowid")
+        assert result.rows == ((b"caf\xe9".decode("utf-8", errors="replace"),), ("ok",))
+        assert executor.execute("SELECT 'plain'").rows == (("plain",),)
+
+
+
+
+def test_closed_executor_raises_instead_of_blaming_the_sql(db_copy):
+    executor = Executor(db_copy)
+    assert executor.execute("SELECT 1").ok
+    executor.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        executor.execute("SELECT 1")
