@@ -6,8 +6,15 @@
         excluded examples) go to stderr; the last stdout line is the JSON summary
         {"ex", "n", ["mv"], "excluded", "malformed"}.
 
-Each command is a subparser with its own ``run_<command>(args)``, so further commands (and a
-``--config`` mode) slot in without touching the others.
+    --config=configs/eval.py[:arg] --workdir=OUT [--config.a.b=value ...]
+        Policy evaluation (caper_jax/eval/policy.py; docs/evaluation.md): greedy EX, MV@k and
+        Clause-PRM best-of-k (min / mean / last) of an SFT/GRPO checkpoint or HF directory;
+        writes results.json, results.md and predictions.jsonl to OUT and prints the metrics as the
+        last stdout line. Config values are checked before anything is loaded.
+
+Each command is a subparser with its own ``run_<command>(args)``; an argument list
+containing ``--config`` is the ml_collections mode, parsed by absl on a private ``FlagValues`` (so it
+never collides with other entry points' flags in one process).
 """
 from __future__ import annotations
 
@@ -51,7 +58,80 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def validate_eval_config(config) -> None:
+    """Every value of configs/eval.py checked before any model or data is loaded."""
+    import pathlib
+
+    from caper_jax.parallel import mesh as mesh_lib
+    from caper_jax.parallel import rules as rules_lib
+    from caper_jax.prm.scoring import AGGREGATES
+
+    if bool(config.policy.workdir) == bool(config.policy.hf_dir):
+        raise ValueError("set exactly one of policy.workdir and policy.hf_dir")
+    for key, path in (("policy.workdir", config.policy.workdir), ("policy.hf_dir", config.policy.hf_dir),
+                      ("prm.path", config.prm.path), ("data.dir", config.data.dir)):
+        if path and not pathlib.Path(path).exists():
+            raise ValueError(f"{key}={path!r} does not exist")
+    if config.data.semantics not in ("spider", "bird"):
+        raise ValueError(f"data.semantics={config.data.semantics!r}; expected 'spider' or 'bird'")
+    unknown = [a for a in config.prm.aggregates if a not in AGGREGATES]
+    if unknown or not config.prm.aggregates:
+        raise ValueError(f"prm.aggregates={tuple(config.prm.aggregates)}; expected a non-empty subset of {AGGREGATES}")
+    s = config.sampling
+    if s.k < 0 or s.batch_size < 1 or s.max_new_tokens < 1 or s.max_prompt_len < 1 or config.prm.batch_size < 1:
+        raise ValueError("sampling.k must be >= 0; sampling.batch_size, max_new_tokens, max_prompt_len and "
+                         "prm.batch_size >= 1")
+    if s.temperature <= 0 and s.k > 0:
+        raise ValueError("sampling.temperature must be > 0 for k samples (greedy decoding is always evaluated)")
+    if not 0 < s.top_p <= 1 or s.top_k < 0:
+        raise ValueError(f"sampling.top_p={s.top_p} must be in (0, 1] and sampling.top_k={s.top_k} >= 0")
+    if config.data.num_examples < 0 or config.prm.max_len < 0 or config.timeout_s <= 0:
+        raise ValueError("data.num_examples and prm.max_len must be >= 0, timeout_s > 0")
+    mesh_lib.resolve_mesh_shape(tuple(config.mesh_shape.values()), jax_device_count())
+    rules_lib.rules_dict(config.sharding_rules)
+
+
+def jax_device_count() -> int:
+    import jax
+
+    return jax.device_count()
+
+
+def run_config(argv: list[str]) -> int:
+    """The ``--config`` mode: absl/ml_collections flags on a private FlagValues."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    flag_values = flags.FlagValues()
+    # sys_argv: config_flags defines the --config.<key> override flags from the argv it is given.
+    config_flag = config_flags.DEFINE_config_file("config", None, "configs/eval.py[:arg]",
+                                                  flag_values=flag_values, lock_config=True,
+                                                  sys_argv=["caper_jax.evaluate", *argv])
+    workdir_flag = flags.DEFINE_string("workdir", None, "where results.json/results.md go", flag_values=flag_values)
+    try:
+        flag_values(["caper_jax.evaluate", *argv])
+        config = config_flag.value
+        if not workdir_flag.value:
+            raise ValueError("--workdir is required (results.json, results.md and predictions.jsonl go there)")
+        validate_eval_config(config)
+    except (flags.Error, AttributeError, KeyError, ValueError, TypeError) as error:
+        print(f"error: invalid eval config: {error}", file=sys.stderr)
+        return 2
+    from caper_jax.eval import policy
+
+    try:
+        results = policy.run(config, workdir_flag.value)
+    except (DataError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps({"n": results["n"], "k": results["k"], **results["metrics"]}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--config" or a.startswith("--config=") for a in argv):
+        return run_config(argv)
     args = build_parser().parse_args(argv)
     return args.run(args)
 

@@ -127,38 +127,17 @@ class PrmEvaluator:
 
     def clause_scores(self, params, clause_scores_fn, rows: list[dict]) -> list[np.ndarray]:
         """Per row, the PRM score of each clause unit of ``row['sql']`` (NaN where it fell off)."""
-        out = []
-        bs = self.config.data.eval_batch_size
-        for start in range(0, len(rows), bs):
-            chunk = rows[start:start + bs]
-            batch = pipe_lib.score_batch(chunk, self.tokenizer, max_len=self.config.data.max_len,
-                                         bucket_lengths=self.config.data.bucket_lengths)
-            arrays, n = replicated_batch({"input_ids": batch["input_ids"], "mask": batch["mask"],
-                                          "clause_pos": batch["clause_pos"]}, self.mesh, self.rules, self.multiple)
-            scores = fetch(clause_scores_fn(params, arrays["input_ids"], arrays["mask"], arrays["clause_pos"]))[:n]
-            for b, row in enumerate(chunk):
-                k = len(row["pred_units"]) if "pred_units" in row else int((batch["clause_pos"][b] >= 0).sum())
-                s = scores[b, :k].astype(np.float64)
-                s[batch["clause_pos"][b, :k] < 0] = np.nan
-                out.append(s)
-        return out
+        from caper_jax.prm.scoring import scores_in_batches
+
+        return scores_in_batches(
+            rows, self.tokenizer, lambda *arrays: clause_scores_fn(params, *arrays),
+            batch_size=self.config.data.eval_batch_size, max_len=self.config.data.max_len,
+            bucket_lengths=self.config.data.bucket_lengths, mesh=self.mesh, rules=self.rules)
 
     def localization(self, params, clause_scores_fn) -> dict[str, dict]:
         if not self.failures:
             return {}
-        prm_scores = self.clause_scores(params, clause_scores_fn, self.failures)
-        cases: dict[str, list[loc.Case]] = {"prm": [], "heuristic": [], "random": [], "execution": []}
-        for row, scores in zip(self.failures, prm_scores):
-            names = tuple(n for n, _ in row["pred_units"])
-            true_index = loc.true_index_for(names, row["root"], CLAUSE_ORDER)
-            # A clause truncated away (NaN) cannot be blamed: it ranks last.
-            scores = np.where(np.isnan(scores), np.inf, scores)
-            cases["prm"].append(loc.Case(names, tuple(scores), true_index))
-            cases["heuristic"].append(loc.Case(names, loc.heuristic_scores(row["pred_units"], row["gold_units"]),
-                                               true_index))
-            cases["random"].append(loc.Case(names, loc.random_scores(len(names)), true_index))
-            cases["execution"].append(loc.Case(names, loc.execution_scores(len(names)), true_index))
-        return {name: loc.summarize(c) for name, c in cases.items()}
+        return localization_summaries(self.failures, self.clause_scores(params, clause_scores_fn, self.failures))
 
     def full(self, params, eval_scores, clause_scores_fn) -> dict:
         pairwise = self.pairwise(params, eval_scores)
@@ -169,6 +148,26 @@ class PrmEvaluator:
             metrics[f"localization/{name}/mrr"] = summary["mrr"]
         return {"metrics": metrics, "localization": localization, "n_eval_tuples": len(self.tuples),
                 "n_failures": len(self.failures)}
+
+
+def localization_summaries(rows: list[dict], prm_scores: list[np.ndarray]) -> dict[str, dict]:
+    """Top-1 / MRR / confusion of the PRM and each baseline on failed predictions.
+
+    ``rows`` carry ``root`` (true root clause), ``pred_units`` and ``gold_units`` ((name, text) per
+    clause); ``prm_scores`` one score per pred clause (NaN: truncated away).
+    """
+    cases: dict[str, list[loc.Case]] = {"prm": [], "heuristic": [], "random": [], "execution": []}
+    for row, scores in zip(rows, prm_scores, strict=True):
+        names = tuple(n for n, _ in row["pred_units"])
+        true_index = loc.true_index_for(names, row["root"], CLAUSE_ORDER)
+        # A clause truncated away (NaN) cannot be blamed: it ranks last.
+        scores = np.where(np.isnan(scores), np.inf, scores)
+        cases["prm"].append(loc.Case(names, tuple(scores), true_index))
+        cases["heuristic"].append(loc.Case(names, loc.heuristic_scores(row["pred_units"], row["gold_units"]),
+                                           true_index))
+        cases["random"].append(loc.Case(names, loc.random_scores(len(names)), true_index))
+        cases["execution"].append(loc.Case(names, loc.execution_scores(len(names)), true_index))
+    return {name: loc.summarize(c) for name, c in cases.items()}
 
 
 def localization_table(localization: dict[str, dict]) -> str:

@@ -1,0 +1,329 @@
+"""Policy evaluation: greedy EX, majority vote over k samples, and PRM-reranked best-of-k.
+
+    python -m caper_jax.evaluate --config=configs/eval.py --workdir=OUT   (configs/eval.py: commands)
+
+For every example of a split (database present, gold executes):
+
+* **greedy**: one greedy decode (``caper_jax.rl.rollout.greedy_predictions``);
+* **k samples**: ``caper_jax.models.sampler`` at ``sampling.temperature`` / ``top_p`` / ``top_k``,
+  each prompt repeated k times in the batch (the sampler's per-row keys make the samples of a row
+  independent of the rest of the batch);
+* **MV@k**: majority vote by execution result (``caper_jax.evaluate_ex.majority_vote``: equal results
+  share a vote, failures cast none, ties to the earliest);
+* **PRM best-of-k**: every sample is scored by the Clause-PRM in one forward
+  (``caper_jax.prm.scoring``) and the sample with the best aggregate of its clause scores wins —
+  for each of ``min``, ``mean`` and ``last``, so the three aggregations are compared on the SAME
+  samples; unparseable samples score -inf;
+* **first sample** (sample@1) and **oracle@k** (some sample right) bracket the selectors.
+
+EX follows ``evaluate ex``: Spider semantics (ordered iff the gold has ORDER BY) or BIRD's; errors
+and timeouts are wrong. The scoring step (``score_examples``) is pure host code over strings, so
+it is tested with hand-written predictions; decoding (``decode``) is the only device work besides
+the PRM forward.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from caper_jax.eval import restore
+from caper_jax.evaluate_ex import majority_vote
+from caper_jax.sql.execution import Executors, order_matters, results_equal
+
+log = logging.getLogger("caper_jax")
+
+
+class PolicyLoadError(ValueError):
+    """The policy path is neither an SFT/GRPO workdir nor an HF Qwen3.5 directory."""
+
+
+@dataclasses.dataclass
+class Policy:
+    model: Any                  # Qwen35ForCausalLM
+    tokenizer: Any
+    stop_token: int             # END_OF_SQL
+    train_config: dict | None   # the trainer config stored with the checkpoint (None for an HF dir)
+    source: str
+
+
+# -- loading
+
+
+def _architecture(config: dict, vocab: int | None, runtime: dict):
+    """The policy architecture a stored SFT/GRPO config describes (HF config.json, or a preset)."""
+    from caper_jax.models import hf_io
+    from caper_jax.models.presets import model_preset
+
+    hf_dir = config.get("model", {}).get("hf_dir") or config.get("policy", {}).get("hf_dir")
+    if hf_dir:
+        return hf_io.read_config(hf_dir, **runtime)
+    sft_workdir = config.get("policy", {}).get("sft_workdir")
+    if sft_workdir:  # GRPO started from an SFT run: that run's config names the architecture
+        parent = restore.stored_config(restore.latest_whole_step(restore.checkpoints_dir(sft_workdir)))
+        if parent.get("model", {}).get("hf_dir"):
+            return _architecture(parent, vocab, runtime)
+    return model_preset(config["model"]["preset"], vocab_size=vocab, **runtime)
+
+
+def load_policy(path: str | pathlib.Path, mesh, rules, *, dtype: str | None = None) -> Policy:
+    """A policy from an SFT/GRPO trainer workdir (params only, newest whole checkpoint) or an HF dir."""
+    from caper_jax.models import Qwen35ForCausalLM, from_hf
+    from caper_jax.parallel import rules as rules_lib
+    from caper_jax.sft.data import stop_token_id
+
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no policy at {path}")
+    if (path / "config.json").is_file():
+        from transformers import AutoTokenizer
+
+        model, _ = from_hf(path, dtype=dtype or "float32", mesh=mesh, rules=rules)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        return Policy(model, tokenizer, stop_token_id(tokenizer), None, str(path))
+    ckpt_dir = restore.checkpoints_dir(path)
+    step_dir = restore.latest_whole_step(ckpt_dir)
+    config = restore.stored_config(step_dir)
+    if config.get("trainer") not in ("sft", "grpo"):
+        raise PolicyLoadError(f"{step_dir} was written by the {config.get('trainer')!r} trainer, not SFT/GRPO")
+    model_cfg = config["model"]
+    runtime = dict(dtype=dtype or model_cfg.get("dtype", "float32"),
+                   param_dtype=model_cfg.get("param_dtype", "float32"), remat="none")
+    vocab = restore.stored_param_shapes(step_dir).get("embed_tokens", (None,))[0]
+    arch = _architecture(config, vocab, runtime)
+    graphdef, abstract = rules_lib.abstract_state(
+        lambda: Qwen35ForCausalLM(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules)
+    model = nnx.merge(graphdef, restore.restore_params(step_dir, abstract))
+    tokenizer = restore.workdir_tokenizer(config, ckpt_dir.parent)
+    return Policy(model, tokenizer, stop_token_id(tokenizer), config, str(step_dir))
+
+
+# -- decoding
+
+
+def decode(policy: Policy, prompts: Sequence[str], *, k: int, temperature: float, top_p: float, top_k: int,
+           max_prompt_len: int, max_new_tokens: int, batch_size: int, seed: int
+           ) -> tuple[list[str], list[list[str]]]:
+    """(greedy SQL per prompt, k sampled SQL per prompt). Batches have a fixed shape (one compile)."""
+    from caper_jax.models.sampler import SamplingConfig
+    from caper_jax.rl import rollout
+    from caper_jax.sft.data import prompt_batch
+
+    stop = (policy.stop_token,)
+    greedy = rollout.greedy_predictions(policy.model, policy.tokenizer, prompts, max_prompt_len=max_prompt_len,
+                                        max_new_tokens=max_new_tokens, stop_tokens=stop, batch_size=batch_size)
+    if k == 0:
+        return greedy, [[] for _ in prompts]
+    pad = int(getattr(policy.tokenizer, "pad_token_id", None) or 0)
+    config = SamplingConfig(max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            stop_tokens=stop, pad_id=pad)
+    flat = [p for p in prompts for _ in range(k)]
+    texts: list[str] = []
+    key = jax.random.key(seed)
+    for batch_index, start in enumerate(range(0, len(flat), batch_size)):
+        chunk = flat[start:start + batch_size]
+        real = len(chunk)
+        chunk += [chunk[-1]] * (batch_size - real)
+        ids, mask = prompt_batch(chunk, policy.tokenizer, max_prompt_len, multiple=max_prompt_len)
+        out = rollout.sample(policy.model, jnp.asarray(ids), jnp.asarray(mask),
+                             jax.random.fold_in(key, batch_index), config)
+        tokens, lengths = np.asarray(jax.device_get(out.tokens)), np.asarray(jax.device_get(out.lengths))
+        for b in range(real):
+            ids_b = rollout.completion_tokens(tokens[b], lengths[b], stop)
+            texts.append(rollout.decode_with_offsets(policy.tokenizer, ids_b)[0])
+    return greedy, [texts[i * k:(i + 1) * k] for i in range(len(prompts))]
+
+
+# -- scoring (host side)
+
+
+def score_examples(examples: Sequence[Any], greedy: Sequence[str], samples: Sequence[Sequence[str]],
+                   executors: Executors, *, semantics: str = "spider",
+                   prm_scores: Callable[[list[dict]], list[np.ndarray]] | None = None,
+                   aggregates: Sequence[str] = ("min", "mean", "last")) -> tuple[dict, list[dict]]:
+    """EX of every selection method over ``examples`` (``SftExample``-like: question, schema, sql, db_id).
+
+    ``prm_scores(rows) -> per-row clause scores`` (``ClausePrmScorer.score_queries``); None skips the
+    PRM rows. Returns (metrics, one row per example).
+    """
+    from caper_jax.prm import scoring
+
+    if not (len(examples) == len(greedy) == len(samples)):
+        raise ValueError(f"{len(examples)} examples, {len(greedy)} greedy predictions, {len(samples)} sample lists")
+    ks = {len(s) for s in samples}
+    if len(ks) > 1:
+        raise ValueError(f"every example needs the same number of samples, got {sorted(ks)}")
+    k = ks.pop() if ks else 0
+    scores: list[np.ndarray] = []
+    if prm_scores is not None and k:
+        scores = prm_scores([{"question": ex.question, "schema": ex.schema, "sql": sql}
+                             for ex, group in zip(examples, samples) for sql in group])
+    counts: collections.Counter[str] = collections.Counter()
+    rows = []
+    for i, (ex, pred, group) in enumerate(zip(examples, greedy, samples)):
+        gold = executors.execute(ex.db_id, ex.sql)
+        ordered = order_matters(ex.sql)
+        right = lambda result: results_equal(gold, result, semantics=semantics, ordered=ordered)  # noqa: E731
+        greedy_result = executors.execute(ex.db_id, pred)
+        row = {"db_id": ex.db_id, "question": ex.question, "gold": ex.sql, "greedy": pred,
+               "greedy_correct": right(greedy_result)}
+        counts["greedy"] += row["greedy_correct"]
+        counts["greedy_executable"] += greedy_result.ok
+        if k:
+            results = [executors.execute(ex.db_id, sql) for sql in group]
+            correct = [right(r) for r in results]
+            vote = majority_vote(results, semantics)
+            row.update(samples=list(group), samples_correct=correct, vote=vote)
+            counts["first_sample"] += correct[0]
+            counts["majority_vote"] += correct[vote]
+            counts["oracle"] += any(correct)
+            if scores:
+                mine = scores[i * k:(i + 1) * k]
+                row["prm"] = {}
+                for how in aggregates:
+                    best = scoring.best_index(mine, how)
+                    counts[f"prm_{how}"] += correct[best]
+                    row["prm"][how] = {"chosen": best, "scores": [_plain(scoring.aggregate(s, how)) for s in mine]}
+        rows.append(row)
+    n = len(rows)
+    rate = lambda key: counts[key] / n if n else 0.0  # noqa: E731
+    metrics: dict[str, Any] = {"greedy": rate("greedy"), "greedy_executable": rate("greedy_executable")}
+    if k:
+        metrics.update(first_sample=rate("first_sample"), majority_vote=rate("majority_vote"), oracle=rate("oracle"))
+        if scores:
+            metrics["prm"] = {how: rate(f"prm_{how}") for how in aggregates}
+    return metrics, rows
+
+
+def _plain(x: float) -> float | None:
+    return None if not np.isfinite(x) else float(x)  # JSON: -inf (unparseable) and NaN become null
+
+
+# -- the whole run
+
+
+def usable_examples(data_dir: pathlib.Path, split: str, schema_values: int, executors: Executors,
+                    num_examples: int, seed: int) -> tuple[list, dict]:
+    """Examples whose database exists and whose gold runs (a seeded subset when num_examples > 0)."""
+    from caper_jax.data.spider import MissingDatabaseError, db_path, load_split
+
+    present, excluded = {}, collections.Counter()
+    for ex in load_split(data_dir, split):
+        if ex.db_id not in present:
+            try:
+                db_path(data_dir, ex.db_id)
+                present[ex.db_id] = True
+            except MissingDatabaseError:
+                present[ex.db_id] = False
+                log.warning("database %s is missing; its examples are excluded", ex.db_id)
+    if not any(present.values()):
+        raise FileNotFoundError(f"no database of split {split!r} is present under {data_dir}")
+    examples = _examples(data_dir, split, schema_values, present)
+    if num_examples > 0:
+        order = np.random.default_rng(seed).permutation(len(examples))[:num_examples]
+        examples = [examples[i] for i in sorted(order)]
+    usable = []
+    for ex in examples:
+        if not present.get(ex.db_id, False):
+            excluded["missing_db"] += 1
+            continue
+        gold = executors.execute(ex.db_id, ex.sql)
+        if not gold.ok:
+            excluded[f"gold_{gold.error_kind}"] += 1
+            continue
+        usable.append(ex)
+    return usable, dict(excluded)
+
+
+def _examples(data_dir, split: str, schema_values: int, present: dict[str, bool]) -> list:
+    """SftExamples with the schema text the policy was trained on (values only from present databases)."""
+    from caper_jax.data.prompts import serialize_schema
+    from caper_jax.data.spider import DataError
+    from caper_jax.data.spider import db_path, load_schemas, load_split
+    from caper_jax.sft.data import SftExample
+
+    tables = load_schemas(data_dir)
+    texts: dict[str, str] = {}
+    out = []
+    for ex in load_split(data_dir, split):
+        if ex.db_id not in tables:
+            raise DataError(f"{split}[{ex.index}]: database {ex.db_id!r} is not in the schema file of {data_dir}")
+        if ex.db_id not in texts:
+            texts[ex.db_id] = serialize_schema(tables[ex.db_id], schema_values if present[ex.db_id] else 0,
+                                               db_path(data_dir, ex.db_id) if present[ex.db_id] else None)
+        out.append(SftExample(ex.question, texts[ex.db_id], ex.query, ex.db_id, ex.evidence))
+    return out
+
+
+def run(config, workdir: str | pathlib.Path) -> dict:
+    """Loads policy (and PRM), decodes, scores, writes results.json, results.md, predictions.jsonl."""
+    from caper_jax.data.prompts import policy_prompt
+    from caper_jax.eval import report
+    from caper_jax.parallel import mesh as mesh_lib
+    from caper_jax.prm.scoring import load_scorer
+
+    workdir = pathlib.Path(workdir)
+    mesh = mesh_lib.make_mesh(config.mesh_shape.to_dict())
+    rules = tuple(tuple(r) for r in config.sharding_rules)
+    policy_path = config.policy.workdir or config.policy.hf_dir
+    policy = load_policy(policy_path, mesh, rules, dtype=config.policy.dtype or None)
+    train = policy.train_config or {}
+    data_dir = pathlib.Path(config.data.dir or _policy_data_dir(train, policy_path))
+    schema_values = config.data.schema_values if config.data.schema_values >= 0 else \
+        train.get("data", {}).get("schema_values", 0)
+    s = config.sampling
+    with Executors(_database_dir(data_dir), timeout_s=config.timeout_s) as executors:
+        examples, excluded = usable_examples(data_dir, config.data.split, schema_values, executors,
+                                             config.data.num_examples, config.seed)
+        if not examples:
+            raise ValueError(f"no usable example in {data_dir} split {config.data.split!r} (excluded: {excluded})")
+        prompts = [policy_prompt(ex.question, ex.schema, ex.evidence) for ex in examples]
+        log.info("policy %s: decoding %d prompts (greedy + %d samples each)", policy.source, len(prompts), s.k)
+        with jax.set_mesh(mesh):
+            greedy, samples = decode(policy, prompts, k=s.k, temperature=s.temperature, top_p=s.top_p,
+                                     top_k=s.top_k, max_prompt_len=s.max_prompt_len,
+                                     max_new_tokens=s.max_new_tokens, batch_size=s.batch_size, seed=config.seed)
+        scorer = None
+        if config.prm.path:
+            scorer = load_scorer(config.prm.path, mesh=mesh, rules=rules, batch_size=config.prm.batch_size,
+                                 max_len=config.prm.max_len or None)
+        metrics, rows = score_examples(examples, greedy, samples, executors, semantics=config.data.semantics,
+                                       prm_scores=scorer.score_queries if scorer else None,
+                                       aggregates=tuple(config.prm.aggregates))
+    results = {"policy": policy.source, "prm": config.prm.path or None, "data": str(data_dir),
+               "split": config.data.split, "n": len(examples), "k": s.k, "excluded": excluded,
+               "semantics": config.data.semantics, "metrics": metrics, "config": config.to_dict()}
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    with (workdir / "predictions.jsonl").open("w") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    header = (f"# Policy evaluation\n\nPolicy `{policy.source}` on `{data_dir}` split `{config.data.split}`: "
+              f"{len(examples)} examples (excluded: {excluded or 'none'}), k = {s.k} samples at temperature "
+              f"{s.temperature}, PRM `{config.prm.path or 'none'}`.\n\n")
+    (workdir / "results.md").write_text(header + report.policy_table(results))
+    return results
+
+
+def _policy_data_dir(train: dict, policy_path: str) -> pathlib.Path:
+    data = train.get("data", {})
+    if data.get("dir"):
+        return pathlib.Path(data["dir"])
+    if data.get("kind") == "demo":
+        return restore.checkpoints_dir(policy_path).parent / "demo_world"
+    raise ValueError("set data.dir: the policy's training config names no dataset directory")
+
+
+def _database_dir(data_dir: pathlib.Path) -> pathlib.Path:
+    for name in ("database", "dev_databases", "train_databases"):
+        if (data_dir / name).is_dir():
+            return data_dir / name
+    raise FileNotFoundError(f"{data_dir} has no database/ (or BIRD dev_databases/) directory")

@@ -1,0 +1,251 @@
+"""Clause-PRM inference: load a trained PRM, score every clause of many queries, aggregate.
+
+Loading (``load_scorer(path)``) accepts what the PRM trainer writes:
+
+* a trainer workdir (or its ``checkpoints/``): the newest whole orbax checkpoint is restored —
+  parameters only, no optimizer moments — into the model its stored config describes (preset and
+  dtypes; vocabulary size read from the stored embedding, architecture from ``model.hf_dir`` when
+  the PRM was initialised from HF weights), with the workdir's tokenizer;
+* an HF export (``hf_export/``: ``Qwen3_5TextForSequenceClassification`` safetensors with
+  ``score.weight``, and the tokenizer files ``export_prm_to_hf`` saves next to them).
+
+Scoring (``ClausePrmScorer.score_queries(rows)``): rows are ``{question, schema, sql}``; each query
+is ONE forward pass (``prompt + sql``, the score of every clause read at its last token — the causal
+backbone makes every clause prefix visible at once; ``caper_jax.data.prm_pipeline.score_batch``).
+Rows are sorted by length before batching so a batch pads to the shortest bucket that holds it, and
+every batch is padded to ``batch_size`` rows, so jit compiles once per bucket length. The result,
+in input order, is one float64 array per row with one score per clause of ``split_clauses(sql)``:
+NaN for a clause whose last token was cut off by left truncation, and an EMPTY array for SQL that
+does not parse (it has no clauses to score).
+
+Aggregation of a query's clause scores into one number (``aggregate``), used to rerank candidates:
+
+* ``min``  — the weakest clause decides (a query is as good as its worst step; the PRM literature's
+  usual choice for best-of-n);
+* ``mean`` — the average clause;
+* ``last`` — the score after the final clause, i.e. the PRM's value of the complete query.
+
+NaN (truncated) clauses are ignored; a query with no scored clause (unparseable) aggregates to
+``-inf`` so it is never chosen over a query that parses.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from caper_jax.data import prm_pipeline as pipe_lib
+from caper_jax.eval import restore
+from caper_jax.parallel import mesh as mesh_lib
+from caper_jax.parallel import rules as rules_lib
+from caper_jax.prm import step as step_lib
+from caper_jax.prm.model import ClausePRM
+from caper_jax.sql.clauses import SqlParseError, split_clauses
+
+AGGREGATES = ("min", "mean", "last")
+DEFAULT_MAX_LEN = 1024
+
+
+class ScoringError(ValueError):
+    """Bad scorer input: an unknown aggregate, a row without question/schema/sql, a non-PRM checkpoint."""
+
+
+# -- aggregation
+
+
+def aggregate(scores: np.ndarray, how: str) -> float:
+    """One number per query from its clause scores (module docstring); -inf when none is finite."""
+    if how not in AGGREGATES:
+        raise ScoringError(f"unknown aggregate {how!r}; expected one of {AGGREGATES}")
+    scores = np.asarray(scores, np.float64)
+    finite = scores[np.isfinite(scores)]
+    if finite.size == 0:
+        return float("-inf")
+    if how == "min":
+        return float(finite.min())
+    if how == "mean":
+        return float(finite.mean())
+    return float(finite[-1])
+
+
+def best_index(per_candidate: Sequence[np.ndarray], how: str) -> int:
+    """The candidate with the highest aggregate; ties (and all -inf) go to the earliest."""
+    values = [aggregate(s, how) for s in per_candidate]
+    return int(np.argmax(values)) if values else 0
+
+
+def clause_names(sql: str) -> list[str]:
+    """Names of the clause units the scores refer to ([] for SQL that does not parse)."""
+    try:
+        return [unit.name for unit in split_clauses(sql.rstrip())]
+    except SqlParseError:
+        return []
+
+
+# -- batched scoring (shared with caper_jax.prm.evaluation)
+
+
+def _check_rows(rows: Sequence[Mapping[str, Any]]) -> None:
+    for i, row in enumerate(rows):
+        bad = [k for k in ("question", "schema", "sql") if not isinstance(row.get(k), str)]
+        if bad:
+            raise ScoringError(f"row {i}: {bad} must be strings")
+
+
+def scores_in_batches(rows: Sequence[Mapping[str, Any]], tokenizer, scores_fn, *, batch_size: int,
+                      max_len: int, bucket_lengths: Sequence[int] | None, mesh, rules) -> list[np.ndarray]:
+    """Per row (input order), the score of each clause of ``row['sql']`` (module docstring).
+
+    ``scores_fn(input_ids, mask, clause_pos) -> [B, K]`` runs the PRM on global arrays.
+    """
+    from caper_jax.prm.evaluation import _batch_multiple, fetch, replicated_batch
+
+    _check_rows(rows)
+    if batch_size < 1:
+        raise ScoringError(f"batch_size must be >= 1, got {batch_size}")
+    multiple = _batch_multiple(mesh, rules)
+    batch_size = -(-batch_size // multiple) * multiple
+    order = sorted(range(len(rows)), key=lambda i: sum(len(rows[i][k]) for k in ("question", "schema", "sql")))
+    out: list[np.ndarray | None] = [None] * len(rows)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        batch = pipe_lib.score_batch([rows[i] for i in chunk], tokenizer, max_len=max_len,
+                                     bucket_lengths=bucket_lengths)
+        arrays = {k: batch[k] for k in ("input_ids", "mask", "clause_pos")}
+        if len(chunk) < batch_size:  # a fixed row count: one compiled program per bucket length
+            arrays = {k: np.concatenate([v, np.repeat(v[-1:], batch_size - len(chunk), axis=0)])
+                      for k, v in arrays.items()}
+        arrays, _ = replicated_batch(arrays, mesh, rules, multiple)
+        scores = fetch(scores_fn(arrays["input_ids"], arrays["mask"], arrays["clause_pos"]))
+        for b, i in enumerate(chunk):
+            k = len(clause_names(rows[i]["sql"]))
+            s = scores[b, :k].astype(np.float64)
+            s[batch["clause_pos"][b, :k] < 0] = np.nan
+            out[i] = s
+    return out  # type: ignore[return-value]
+
+
+class ClausePrmScorer:
+    """A loaded Clause-PRM with its tokenizer; ``score_queries`` scores whole queries in batches."""
+
+    def __init__(self, model: ClausePRM, tokenizer, *, mesh, rules, max_len: int = DEFAULT_MAX_LEN,
+                 bucket_lengths: Sequence[int] | None = None, batch_size: int = 16):
+        self.model, self.tokenizer, self.mesh = model, tokenizer, mesh
+        self.rules = tuple(tuple(r) for r in rules)
+        self.max_len, self.batch_size = max_len, batch_size
+        self.bucket_lengths = tuple(bucket_lengths) if bucket_lengths else None
+        graphdef, self.params = nnx.split(model)
+        self._scores = jax.jit(functools.partial(step_lib.clause_scores, graphdef=graphdef))
+
+    def score_queries(self, rows: Sequence[Mapping[str, Any]]) -> list[np.ndarray]:
+        if not rows:
+            return []
+        with jax.set_mesh(self.mesh):
+            return scores_in_batches(
+                rows, self.tokenizer, functools.partial(self._scores, self.params), batch_size=self.batch_size,
+                max_len=self.max_len, bucket_lengths=self.bucket_lengths, mesh=self.mesh, rules=self.rules)
+
+
+# -- loading
+
+
+def _is_hf_dir(path: pathlib.Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("model*.safetensors*"))
+
+
+def load_scorer(path: str | pathlib.Path, *, mesh=None, rules=None, batch_size: int = 16,
+                max_len: int | None = None, bucket_lengths: Sequence[int] | None = None,
+                dtype: str | None = None) -> ClausePrmScorer:
+    """A scorer from a PRM trainer workdir / checkpoints dir, or from an HF export (module docstring).
+
+    ``max_len``/``bucket_lengths`` default to the training config's (HF export: 1024, default ladder);
+    ``mesh`` defaults to every device on ``fsdp``, ``rules`` to ``caper_jax.parallel.rules.DEFAULT_RULES``.
+    """
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no PRM at {path}")
+    mesh = mesh if mesh is not None else mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
+    rules = tuple(tuple(r) for r in (rules if rules is not None else rules_lib.DEFAULT_RULES))
+    if _is_hf_dir(path):
+        model = load_hf_prm(path, mesh, rules, dtype=dtype or "float32")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        return ClausePrmScorer(model, tokenizer, mesh=mesh, rules=rules, batch_size=batch_size,
+                               max_len=max_len or DEFAULT_MAX_LEN, bucket_lengths=bucket_lengths)
+    ckpt_dir = restore.checkpoints_dir(path)
+    workdir = ckpt_dir.parent
+    step_dir = restore.latest_whole_step(ckpt_dir)
+    config = restore.stored_config(step_dir)
+    if config.get("trainer") != "prm":
+        raise ScoringError(f"{step_dir} was written by the {config.get('trainer')!r} trainer, not a Clause-PRM")
+    model = restore_prm(step_dir, config, mesh, rules, dtype=dtype)
+    data = config.get("data", {})
+    return ClausePrmScorer(model, restore.workdir_tokenizer(config, workdir), mesh=mesh, rules=rules,
+                           batch_size=batch_size, max_len=max_len or data.get("max_len", DEFAULT_MAX_LEN),
+                           bucket_lengths=bucket_lengths or (None if max_len else data.get("bucket_lengths")))
+
+
+def restore_prm(step_dir: pathlib.Path, config: Mapping[str, Any], mesh, rules, *, dtype: str | None = None
+                ) -> ClausePRM:
+    """The ClausePRM of a PRM trainer checkpoint, parameters restored onto their shardings."""
+    from caper_jax.models import hf_io
+    from caper_jax.models.presets import model_preset
+
+    model_cfg = config["model"]
+    runtime = dict(dtype=dtype or model_cfg.get("dtype", "float32"),
+                   param_dtype=model_cfg.get("param_dtype", "float32"), remat="none")
+    if model_cfg.get("hf_dir"):
+        if not pathlib.Path(model_cfg["hf_dir"], "config.json").is_file():
+            raise restore.WorkdirError(f"{step_dir}: the PRM was initialised from {model_cfg['hf_dir']}, whose "
+                                       "config.json (the architecture) is not there; use the workdir's hf_export/")
+        model_config = hf_io.read_config(model_cfg["hf_dir"], **runtime)
+    else:
+        vocab = restore.stored_param_shapes(step_dir).get("backbone/embed_tokens", (None,))[0]
+        model_config = model_preset(model_cfg["preset"], vocab_size=vocab, **runtime)
+    graphdef, abstract = rules_lib.abstract_state(lambda: ClausePRM(model_config, rngs=nnx.Rngs(0)), mesh, rules)
+    return nnx.merge(graphdef, restore.restore_params(step_dir, abstract))
+
+
+def load_hf_prm(hf_dir: str | pathlib.Path, mesh, rules, *, dtype: str = "float32") -> ClausePRM:
+    """A ClausePRM from an ``export_prm_to_hf`` directory (backbone tensors + ``score.weight``).
+
+    Each parameter is read from the memory-mapped safetensors and placed straight onto its sharding.
+    """
+    from caper_jax.models import hf_io
+    from caper_jax.models.qwen35 import to_dtype
+    from caper_jax.prm.export import HF_ARCHITECTURE
+
+    hf_dir = pathlib.Path(hf_dir)
+    config = hf_io.read_config(hf_dir, dtype=dtype, param_dtype=dtype)
+    architectures = json.loads((hf_dir / "config.json").read_text()).get("architectures") or []
+    if HF_ARCHITECTURE not in architectures:
+        raise ScoringError(f"{hf_dir} is a {architectures} checkpoint, not a Clause-PRM export "
+                           f"({HF_ARCHITECTURE}): its score head would be random")
+    graphdef, abstract = rules_lib.abstract_state(lambda: ClausePRM(config, rngs=nnx.Rngs(0)), mesh, rules)
+    tensors = hf_io._SafetensorsDir(hf_dir)
+    if "score.weight" not in tensors:
+        raise ScoringError(f"{hf_dir}: no score.weight tensor")
+    names_config = config.replace(tie_word_embeddings=True)  # the PRM backbone has no lm_head
+    loaded = []
+    for var_path, variable in nnx.to_flat_state(abstract):
+        if var_path == ("score_head",):
+            host = tensors.read("score.weight")[0]
+        else:
+            names = hf_io.hf_tensor_names(var_path[1:], names_config)
+            layout = hf_io._layout(var_path[1:])
+            parts = [hf_io._from_hf_layout(tensors.read(n), layout) for n in names]
+            host = np.stack(parts) if var_path[1] == "layers" else parts[0]
+        if host.shape != variable.shape:
+            raise ScoringError(f"{hf_dir}: {'/'.join(map(str, var_path))} has shape {host.shape}, "
+                               f"expected {variable.shape}")
+        host = host.astype(to_dtype(variable.dtype), copy=False)
+        value = jax.make_array_from_callback(host.shape, variable.sharding, lambda index, h=host: h[index])
+        loaded.append((var_path, value))
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))

@@ -1,0 +1,362 @@
+"""The Clause-PRM as a verifier: scorer loading and batching, aggregation, reranking, localisation.
+
+References: hand-computed EX on Spider dev candidate files built from gold SQL and verified
+mutants (caper_jax.sql.mutations) with a rule-based stand-in PRM; ``evaluate ex`` (an independent
+implementation of first / majority vote); one separate forward per clause prefix for the batched
+scorer; a random tiny PRM, saved as a trainer workdir and as an HF export, for the real model path.
+"""
+import fcntl
+import json
+import os
+import pathlib
+import random
+import shutil
+
+import numpy as np
+import pytest
+
+from caper_jax import verify
+from caper_jax.evaluate_ex import evaluate_ex
+from caper_jax.prm import scoring
+from caper_jax.sql.clauses import split_clauses
+from caper_jax.sql.execution import Executor, order_matters, results_equal
+
+GARBAGE = "SELEC name FRM ((("
+GARBAGE_2 = "this is not SQL"
+MAX_LEN, BUCKETS = 256, (256,)
+
+
+def session_root(tmp_path_factory) -> pathlib.Path:
+    """A directory shared by the whole pytest session, xdist workers included."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def build_prm_run(root: pathlib.Path) -> pathlib.Path:
+    """A PRM trainer workdir (random tiny Clause-PRM): demo world + tokenizer, checkpoint, HF export.
+
+    Built once per pytest session under a file lock (tests/test_eval_policy.py reuses it).
+    """
+    workdir = root / "prm_run"
+    with open(root / "prm_run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (workdir / "READY").exists():
+            _write_prm_run(workdir)
+            (workdir / "READY").touch()
+    return workdir
+
+
+def _write_prm_run(workdir: pathlib.Path) -> None:
+    from flax import nnx
+
+    from caper_jax import checkpoint as ckpt_lib
+    from caper_jax.data.demo_world import build_demo_world
+    from caper_jax.data.tokenizer import build_demo_tokenizer
+    from caper_jax.models.presets import model_preset
+    from caper_jax.prm.export import export_prm_to_hf
+    from caper_jax.prm.model import ClausePRM
+    from caper_jax.prm.step import init_state, make_optimizer
+    from configs.prm import get_config
+
+    world = build_demo_world(workdir / "demo_world", seed=0, train_size=150, dev_size=80)
+    tokenizer = build_demo_tokenizer(world / "tokenizer")
+    config = get_config()
+    config.data.dir = str(world)
+    model = ClausePRM(model_preset("tiny", vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
+    state = init_state(nnx.state(model), make_optimizer(config.optim))
+    with ckpt_lib.Checkpointer(workdir / "checkpoints") as checkpointer:
+        checkpointer.save(7, state, config=config.to_dict(), force=True)
+    export_prm_to_hf(model, workdir / "hf_export", tokenizer)
+
+
+@pytest.fixture(scope="module")
+def prm_run(tmp_path_factory):
+    return build_prm_run(session_root(tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def scorer(prm_run):
+    return scoring.load_scorer(prm_run, batch_size=4, max_len=MAX_LEN, bucket_lengths=BUCKETS)
+
+
+class RuleScorer:
+    """Stand-in PRM: every clause of a 'good' query scores 1, of any other parseable query -1."""
+
+    def __init__(self, good: set[str]):
+        self.good, self.calls = good, 0
+
+    def score_queries(self, rows):
+        self.calls += 1
+        return [np.full(len(scoring.clause_names(r["sql"])), 1.0 if r["sql"] in self.good else -1.0) for r in rows]
+
+
+def write_lines(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+# -- aggregation
+
+
+def test_aggregates_on_hand_made_scores():
+    s = np.array([0.5, -2.0, np.nan, 1.5])
+    assert scoring.aggregate(s, "min") == -2.0
+    assert scoring.aggregate(s, "mean") == pytest.approx(0.0)  # (0.5 - 2 + 1.5) / 3, NaN ignored
+    assert scoring.aggregate(s, "last") == 1.5
+    assert scoring.aggregate(np.array([np.nan, 0.25, np.nan]), "last") == 0.25  # last FINITE clause
+    for how in scoring.AGGREGATES:
+        assert scoring.aggregate(np.zeros(0), how) == -np.inf  # unparseable
+    candidates = [np.array([0.0, 3.0]), np.array([1.0, 1.0]), np.zeros(0), np.array([-1.0, 5.0])]
+    assert [scoring.best_index(candidates, how) for how in ("min", "mean", "last")] == [1, 3, 3]
+    assert scoring.best_index([np.array([1.0]), np.array([1.0])], "min") == 0  # ties: earliest
+    assert scoring.best_index([np.zeros(0), np.zeros(0)], "mean") == 0  # all unparseable: the first
+    with pytest.raises(scoring.ScoringError, match="unknown aggregate"):
+        scoring.aggregate(s, "max")
+
+
+# -- the real scorer
+
+
+def test_batched_scores_equal_one_forward_per_clause_prefix(prm_run, scorer):
+    """Reference: for each clause, the PRM alone on prompt + SQL up to the clause end, last token."""
+    import jax
+    import jax.numpy as jnp
+
+    from caper_jax.data.prompts import prm_prompt, serialize_schema
+    from caper_jax.data.spider import load_schemas
+
+    world = prm_run / "demo_world"
+    schemas = {db: serialize_schema(entry) for db, entry in load_schemas(world).items()}
+    records = [json.loads(line) for line in (world / "predictions_dev.jsonl").read_text().splitlines()][:3]
+    rows = [{"question": r["question"], "schema": schemas[r["db_id"]], "sql": sql}
+            for r in records for sql in (r["gold"], r["pred"])] + [
+        {"question": "?", "schema": schemas["shop"], "sql": GARBAGE}]
+    got = scorer.score_queries(rows)
+    assert len(got) == len(rows) and got[-1].shape == (0,)  # unparseable: no clauses
+    from flax import nnx
+
+    graphdef, params = nnx.split(scorer.model)
+    # Right padding cannot reach back through a causal model: one compiled shape for every prefix.
+    forward = jax.jit(lambda p, ids, mask: nnx.merge(graphdef, p).token_scores(ids, mask))
+    tok = scorer.tokenizer
+    checked = 0
+    for row, scores in zip(rows[:-1], got[:-1]):
+        units = split_clauses(row["sql"])
+        assert scores.shape == (len(units),)
+        prompt = tok(prm_prompt(row["question"], row["schema"]), add_special_tokens=False)["input_ids"]
+        for unit, score in zip(units, scores):
+            ids = (prompt + tok(row["sql"][:unit.end], add_special_tokens=False)["input_ids"])[-MAX_LEN:]
+            padded = np.zeros((1, MAX_LEN), np.int32)
+            padded[0, :len(ids)] = ids
+            mask = (np.arange(MAX_LEN) < len(ids))[None].astype(np.int32)
+            reference = float(forward(params, jnp.asarray(padded), jnp.asarray(mask))[0, len(ids) - 1])
+            assert score == pytest.approx(reference, abs=2e-4), (row["sql"], unit.name)
+            checked += 1
+    assert checked >= 15
+
+
+def test_hf_export_scores_like_the_workdir_and_other_checkpoints_are_refused(prm_run, scorer, tmp_path):
+    import jax
+    from flax import nnx
+
+    hf = scoring.load_scorer(prm_run / "hf_export", batch_size=4, max_len=MAX_LEN, bucket_lengths=BUCKETS)
+    ours, theirs = nnx.to_flat_state(nnx.state(scorer.model)), nnx.to_flat_state(nnx.state(hf.model))
+    assert [path for path, _ in ours] == [path for path, _ in theirs] and len(ours) > 20
+    for (path, a), (_, b) in zip(ours, theirs):  # the export round trip is exact
+        np.testing.assert_array_equal(jax.device_get(a[...]), jax.device_get(b[...]), err_msg=str(path))
+    assert hf.tokenizer.get_vocab() == scorer.tokenizer.get_vocab()
+    causal = tmp_path / "causal"
+    shutil.copytree(prm_run / "hf_export", causal)
+    config = json.loads((causal / "config.json").read_text())
+    (causal / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3_5ForCausalLM"]}))
+    with pytest.raises(scoring.ScoringError, match="not a Clause-PRM export"):
+        scoring.load_scorer(causal)
+    with pytest.raises(scoring.ScoringError, match="must be strings"):
+        scorer.score_queries([{"question": "q", "sql": "SELECT 1"}])
+
+
+# -- reranking on Spider dev
+
+
+@pytest.fixture(scope="module")
+def spider_lines(spider):
+    """Candidates lines with known outcomes: (records, gold SQL set, expected counts)."""
+    from caper_jax.sql.mutations import inject_faults
+    from caper_jax.sql.schema import Schema
+
+    examples = json.loads((spider / "dev.json").read_text())
+    present = {p.name for p in (spider / "database").iterdir()}
+    records, golds, used_dbs = [], set(), set()
+    for index, ex in enumerate(examples):
+        if ex["db_id"] not in present or ex["db_id"] in used_dbs or len(used_dbs) == 4:
+            continue
+        path = spider / "database" / ex["db_id"] / f"{ex['db_id']}.sqlite"
+        with Executor(path) as executor:
+            negatives = inject_faults(ex["query"], executor, Schema.from_sqlite(path, ex["db_id"]), 2,
+                                      random.Random(index))
+        if len(negatives) < 2:
+            continue
+        used_dbs.add(ex["db_id"])
+        golds.add(ex["query"])
+        wrong, wrong_2 = negatives[0].sql, negatives[1].sql
+        records += [
+            {"index": index, "candidates": [wrong, ex["query"], GARBAGE]},  # first x, vote x (tie), PRM ok
+            {"index": index, "candidates": [ex["query"], wrong_2, wrong_2]},  # first ok, vote x, PRM ok
+            {"index": index, "candidates": [GARBAGE, GARBAGE_2]},  # all unparseable: first chosen, wrong
+            {"index": index, "candidates": [wrong]},  # one wrong candidate
+        ]
+    missing = next(i for i, e in enumerate(examples) if e["db_id"] not in present)
+    records += [{"index": missing, "candidates": [examples[missing]["query"]]}, "not json",
+                {"index": len(examples), "candidates": ["SELECT 1"]}, {"index": 0, "candidates": []}]
+    n = 4 * len(used_dbs)
+    return records, golds, {"n": n, "first": 0.25, "vote": 0.0, "prm": 0.5, "any": 0.5}
+
+
+def test_rerank_ex_by_hand_and_against_evaluate_ex(spider, spider_lines, tmp_path):
+    records, golds, expected = spider_lines
+    path = write_lines(tmp_path / "c.jsonl", records)
+    messages = []
+    out = tmp_path / "out.jsonl"
+    summary = verify.rerank(RuleScorer(golds), spider, "dev", path, aggregate="min", output=out,
+                            report=messages.append)
+    assert expected["n"] == 16
+    assert {k: summary[k] for k in expected} == pytest.approx(expected)
+    assert summary["prm_by_aggregate"] == pytest.approx({"min": 0.5, "mean": 0.5, "last": 0.5})
+    assert summary["excluded"] == {"missing_db": 1} and summary["malformed"] == 3
+    assert any("missing" in m for m in messages) and sum("skipped" in m for m in messages) == 3
+    # EX before reranking, from the independent evaluate ex implementation (mv over candidates lines).
+    ex = evaluate_ex(spider, "dev", path, report=lambda m: None)
+    assert ex["mv"] == pytest.approx({"n": 16, "first": 0.25, "vote": 0.0, "any": 0.5})
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 17 and rows[-1]["excluded"] == "missing_db" and rows[-1]["correct"] is None
+    for row in rows[:-1]:
+        assert row["sql"] == row["candidates"][row["chosen"]]
+        assert [name for name, _ in row["clauses"]] == scoring.clause_names(row["sql"])
+        if row["candidates"][0] == GARBAGE and len(row["candidates"]) == 2:
+            assert row["chosen"] == 0 and row["clauses"] == [] and row["candidate_scores"] == ["-inf", "-inf"]
+        else:
+            assert row["sql"] != GARBAGE  # -inf is never chosen over a parseable candidate
+            assert row["correct"] is (row["sql"] in golds)
+
+
+def test_random_prm_keeps_a_consistent_ex_accounting(spider, spider_lines, scorer, tmp_path):
+    records, golds, expected = spider_lines
+    path = write_lines(tmp_path / "c.jsonl", records)
+    out = tmp_path / "out.jsonl"
+    summary = verify.rerank(scorer, spider, "dev", path, aggregate="mean", output=out, report=lambda m: None)
+    assert {k: summary[k] for k in ("n", "first", "vote", "any")} == pytest.approx(
+        {k: expected[k] for k in ("n", "first", "vote", "any")})
+    rows = [json.loads(line) for line in out.read_text().splitlines() if "excluded" not in line]
+    examples = json.loads((spider / "dev.json").read_text())
+    correct = []
+    for row in rows:  # recompute each choice's correctness with SQLite directly
+        gold_sql = examples[row["index"]]["query"]
+        db = examples[row["index"]]["db_id"]
+        with Executor(spider / "database" / db / f"{db}.sqlite") as executor:
+            right = results_equal(executor.execute(gold_sql), executor.execute(row["sql"]),
+                                  semantics="spider", ordered=order_matters(gold_sql))
+        assert row["correct"] is right
+        finite = [s for s in row["candidate_scores"] if s != "-inf"]
+        if finite:
+            assert row["score"] == max(finite) and row["sql"] not in (GARBAGE, GARBAGE_2)
+        correct.append(right)
+    assert summary["prm"] == pytest.approx(np.mean(correct))
+    assert summary["prm"] <= summary["any"]
+
+
+# -- command lines on the demo world
+
+
+@pytest.fixture
+def loaded(monkeypatch, scorer):
+    """The CLIs get the module's scorer (loading is tested above); records what they asked for."""
+    calls = []
+
+    def load(path, **kwargs):
+        calls.append((pathlib.Path(path), kwargs))
+        return scorer
+
+    monkeypatch.setattr(scoring, "load_scorer", load)
+    return calls
+
+
+def test_verify_cli_on_the_demo_world(prm_run, tmp_path, capsys, loaded):
+    world = prm_run / "demo_world"
+    records = [json.loads(line) for line in (world / "predictions_dev.jsonl").read_text().splitlines()][:5]
+    lines = [{"index": r["index"], "candidates": [r["pred"], GARBAGE, r["gold"]]} for r in records]
+    out = tmp_path / "out.jsonl"
+    code = verify.main(["--prm", str(prm_run / "hf_export"), "--data", str(world), "--candidates",
+                        str(write_lines(tmp_path / "c.jsonl", lines)), "--aggregate", "last", "--output", str(out),
+                        "--max_len", "256", "--batch_size", "4"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["n"] == 5 and summary["aggregate"] == "last" and summary["any"] == 1.0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert summary["prm"] == pytest.approx(np.mean([r["correct"] for r in rows]))
+    assert all(r["chosen"] != 1 and r["score"] == r["clauses"][-1][1] for r in rows)  # last = final clause
+    assert loaded == [(prm_run / "hf_export", {"batch_size": 4, "max_len": 256})]
+    code = verify.main(["--prm", str(prm_run), "--data", str(tmp_path / "nothing"), "--candidates", str(out)])
+    assert code == 2 and "error: no 'dev' split" in capsys.readouterr().err
+
+
+def test_missing_prm_is_one_clear_error(prm_run, tmp_path, capsys):
+    code = verify.main(["--prm", str(tmp_path / "nothing"), "--data", str(prm_run / "demo_world"),
+                        "--candidates", str(tmp_path / "c.jsonl")])
+    assert code == 2 and "no PRM at" in capsys.readouterr().err
+
+
+class OracleScorer:
+    """Scores the true root clause -1 and every other clause 0 (needs the rows' ``root``)."""
+
+    def __init__(self, blame_root: bool):
+        self.blame_root = blame_root
+
+    def score_queries(self, rows):
+        from caper_jax.prm import localization as loc
+        from caper_jax.prm.evaluation import CLAUSE_ORDER
+
+        out = []
+        for row in rows:
+            names = [n for n, _ in row["pred_units"]]
+            s = np.zeros(len(names))
+            if self.blame_root:
+                s[loc.true_index_for(names, row["root"], CLAUSE_ORDER)] = -1.0
+            out.append(s)
+        return out
+
+
+def test_localization_report_given_and_annotator_roots(prm_run, tmp_path):
+    world = prm_run / "demo_world"
+    records = [json.loads(line) for line in (world / "predictions_dev.jsonl").read_text().splitlines()]
+    given = [r for r in records if r["true_root_clause"]][:12]
+    unlabeled = [{"index": r["index"], "pred": r["pred"]} for r in records if r["true_root_clause"]][12:16]
+    correct = [{"index": r["index"], "pred": r["gold"]} for r in records[:2]]  # the annotator says: correct
+    path = write_lines(tmp_path / "p.jsonl", given + unlabeled + correct + ["{", {"question": "q"}])
+    rows, skipped = verify.read_failures(world, "dev", path, report=lambda m: None)
+    assert len(rows) == 16 and skipped == {"correct": 2, "malformed": 2}
+    assert [r["root"] for r in rows[:12]] == [r["true_root_clause"] for r in given]
+    assert {r["root_source"] for r in rows[12:]} == {"annotator"}
+    perfect = verify.localization_report(OracleScorer(True), rows, tmp_path / "perfect", skipped)
+    assert perfect["localization"]["prm"]["top1"] == 1.0 and perfect["localization"]["prm"]["mrr"] == 1.0
+    tied = verify.localization_report(OracleScorer(False), rows, tmp_path / "tied", skipped)
+    assert tied["localization"]["prm"]["top1"] == pytest.approx(tied["localization"]["random"]["top1"])
+    for name in ("localization.md", "localization.json", "localization_top1.png", "localization_mrr.png",
+                 "confusion.png"):
+        assert (tmp_path / "perfect" / name).stat().st_size > 0
+    confusion = perfect["localization"]["prm"]["confusion"]
+    assert all(set(blamed) == {true} for true, blamed in confusion.items())  # perfect: the diagonal
+    assert "| true \\ blamed |" in (tmp_path / "perfect" / "localization.md").read_text()
+
+
+def test_localize_cli_runs_the_real_prm(prm_run, tmp_path, capsys, loaded):
+    world = prm_run / "demo_world"
+    code = verify.main(["localize", "--prm", str(prm_run), "--data", str(world), "--predictions",
+                        str(world / "predictions_dev.jsonl"), "--output_dir", str(tmp_path / "loc"),
+                        "--max_len", "256"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    results = json.loads((tmp_path / "loc" / "localization.json").read_text())
+    assert summary["n"] == results["n"] > 0
+    assert 0.0 <= summary["prm_top1"] <= summary["prm_mrr"] <= 1.0
