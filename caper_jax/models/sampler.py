@@ -1,0 +1,174 @@
+"""Batched autoregressive sampling: one jitted prefill, then a ``lax.while_loop`` of decode steps.
+
+Design:
+  * Two compiled programs. ``prefill`` (prompt → first-token logits + cache) recompiles per prompt
+    length bucket; ``decode`` (the whole generation loop) compiles once per (batch, cache length,
+    sampling config) and takes the cache *donated*, so the KV cache and DeltaNet states are updated in
+    place and never copied.
+  * The loop is a ``lax.while_loop`` that exits as soon as every sequence has emitted a stop token,
+    so short answers cost short time; ``max_new_tokens`` bounds it.
+  * Sequences finish independently (done mask). After its stop token a sequence emits ``pad_id``
+    with log-prob 0; ``lengths`` counts generated tokens *including* the stop token.
+
+PRNG contract (fixed, so samples are reproducible and independent of batch composition):
+  ``row_keys = jax.random.split(key, B)``; the token at output position ``t`` of row ``b`` is drawn
+  with ``jax.random.fold_in(row_keys[b], t)``. Same key and prompts → same samples, and row ``b``'s
+  samples do not depend on the other rows. Greedy decoding (``temperature == 0``) ignores the key.
+
+Filtering order: temperature, then top-k, then top-p (nucleus, on the top-k survivors), then a
+categorical draw. ``log_probs`` are the log-probabilities of the sampled tokens under the *tempered,
+unfiltered* model distribution ``log_softmax(logits / T)`` (``T = 1`` for greedy) — the quantity
+``caper_jax.rl.logprobs.token_logprobs(..., temperature=T)`` recomputes, so GRPO's importance ratio
+starts at exactly 1 for on-policy samples. Truncation by top-k/top-p is not part of it, as is usual
+in GRPO/PPO implementations (the ratio would otherwise be undefined for tokens outside the nucleus).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class SamplingError(ValueError):
+    """Invalid sampling arguments."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Static sampling options (hashable: part of the decode program's compile key)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0      # 0 → greedy (argmax)
+    top_k: int = 0                # 0 → no top-k filter
+    top_p: float = 1.0            # 1 → no nucleus filter
+    stop_tokens: tuple[int, ...] = ()
+    pad_id: int = 0
+    cache_dtype: str = "float32"  # KV-cache dtype (the model keeps DeltaNet states in fp32)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+        if self.max_new_tokens < 1:
+            raise SamplingError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+class SampleOutput(NamedTuple):
+    tokens: jax.Array     # int32 [B, max_new_tokens]; pad_id after a sequence's stop token
+    lengths: jax.Array    # int32 [B]; generated tokens including the stop token
+    log_probs: jax.Array  # float32 [B, max_new_tokens]; 0 after the end
+
+
+def _filtered_logits(logits: jax.Array, config: SamplingConfig) -> tuple[jax.Array, jax.Array | None]:
+    """(candidate logits [B, K], their token ids [B, K] or None for the full vocabulary)."""
+    logits = logits / config.temperature
+    vocab = logits.shape[-1]
+    k = config.top_k if 0 < config.top_k < vocab else (vocab if config.top_p < 1.0 else 0)
+    if not k:
+        return logits, None
+    values, ids = jax.lax.top_k(logits, k)  # sorted, descending
+    if config.top_p < 1.0:
+        probs = jax.nn.softmax(values, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        values = jnp.where(mass_before < config.top_p, values, -jnp.inf)  # keeps the top token
+    return values, ids
+
+
+def select_tokens(
+    logits: jax.Array, row_keys: jax.Array, step: jax.Array, config: SamplingConfig
+) -> tuple[jax.Array, jax.Array]:
+    """Sampled token ids [B] and their log-probs [B] from fp32 logits [B, V] (contract: module doc)."""
+    logits = logits.astype(jnp.float32)
+    if config.temperature == 0.0:
+        tokens = jnp.argmax(logits, axis=-1)
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+    else:
+        candidates, ids = _filtered_logits(logits, config)
+        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, step)
+        choice = jax.vmap(jax.random.categorical)(step_keys, candidates)
+        tokens = choice if ids is None else jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
+        log_probs = jax.nn.log_softmax(logits / config.temperature, axis=-1)
+    tokens = tokens.astype(jnp.int32)
+    return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+
+
+def _last_logits(logits: jax.Array) -> jax.Array:
+    return logits[:, -1] if logits.ndim == 3 else logits
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "cache_dtype"))
+def _prefill(graphdef, state, prompt_ids, prompt_mask, *, max_len: int, cache_dtype: str):
+    model = nnx.merge(graphdef, state)
+    cache = model.init_cache(prompt_ids.shape[0], max_len, jnp.dtype(cache_dtype))
+    logits, cache = model.prefill(prompt_ids, prompt_mask, cache)
+    return _last_logits(logits).astype(jnp.float32), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("cache",))
+def _decode(graphdef, state, first_logits, cache, row_keys, *, config: SamplingConfig):
+    model = nnx.merge(graphdef, state)
+    batch = first_logits.shape[0]
+    stop = jnp.asarray(config.stop_tokens or (-1,), jnp.int32)
+    tokens0, log_probs0 = select_tokens(first_logits, row_keys, jnp.int32(0), config)
+    done0 = jnp.isin(tokens0, stop)
+    out_tokens = jnp.full((batch, config.max_new_tokens), config.pad_id, jnp.int32).at[:, 0].set(tokens0)
+    out_log_probs = jnp.zeros((batch, config.max_new_tokens), jnp.float32).at[:, 0].set(log_probs0)
+    lengths = jnp.ones((batch,), jnp.int32)
+
+    def cond(carry: tuple[Any, ...]) -> jax.Array:
+        step, _, _, done, *_ = carry
+        return (step < config.max_new_tokens) & ~jnp.all(done)
+
+    def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        step, cache, previous, done, out_tokens, out_log_probs, lengths = carry
+        logits, cache = model.decode_step(previous, cache)
+        tokens, log_probs = select_tokens(_last_logits(logits), row_keys, step, config)
+        tokens = jnp.where(done, config.pad_id, tokens)
+        log_probs = jnp.where(done, 0.0, log_probs)
+        out_tokens = jax.lax.dynamic_update_index_in_dim(out_tokens, tokens, step, axis=1)
+        out_log_probs = jax.lax.dynamic_update_index_in_dim(out_log_probs, log_probs, step, axis=1)
+        lengths = lengths + (~done).astype(jnp.int32)
+        done = done | jnp.isin(tokens, stop)
+        return step + 1, cache, tokens, done, out_tokens, out_log_probs, lengths
+
+    carry = (jnp.int32(1), cache, tokens0, done0, out_tokens, out_log_probs, lengths)
+    _, cache, _, _, out_tokens, out_log_probs, lengths = jax.lax.while_loop(cond, body, carry)
+    # Returning the cache lets the donated input buffers alias the loop's carry (updated in place).
+    return SampleOutput(out_tokens, lengths, out_log_probs), cache
+
+
+def generate(
+    model: nnx.Module,
+    prompt_ids: jax.Array,
+    prompt_mask: jax.Array,
+    key: jax.Array,
+    config: SamplingConfig,
+) -> SampleOutput:
+    """Samples ``config.max_new_tokens`` continuations of left-padded prompts.
+
+    Args:
+      model: a ``Qwen35ForCausalLM`` (anything with ``init_cache`` / ``prefill`` / ``decode_step``).
+      prompt_ids: int32 [B, P], left-padded.
+      prompt_mask: [B, P], 1 on prompt tokens, 0 on left padding.
+      key: a PRNG key (see the module docstring for how it is split).
+      config: sampling options.
+    """
+    if prompt_ids.ndim != 2 or prompt_mask.shape != prompt_ids.shape:
+        raise SamplingError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must be equal [B, P]")
+    graphdef, state = nnx.split(model)
+    max_len = prompt_ids.shape[1] + config.max_new_tokens
+    first_logits, cache = _prefill(
+        graphdef, state, prompt_ids, prompt_mask, max_len=max_len, cache_dtype=config.cache_dtype
+    )
+    row_keys = jax.random.split(key, prompt_ids.shape[0])
+    output, _ = _decode(graphdef, state, first_logits, cache, row_keys, config=config)
+    return output
