@@ -135,6 +135,14 @@ class _SafetensorsDir:
         return self.files[file].get_tensor(stored)
 
 
+def read_tensor(path: str | os.PathLike, name: str) -> np.ndarray:
+    """One tensor of an HF checkpoint directory (single file or sharded index) as a host array."""
+    tensors = _SafetensorsDir(pathlib.Path(path))
+    if name not in tensors:
+        raise CheckpointError(f"{path}: no tensor {name!r}")
+    return tensors.read(name)
+
+
 def _target_sharding(variable: nnx.Variable, mesh: Mesh | None, rules: Sequence[tuple[str, Any]] | None):
     if mesh is None:
         return SingleDeviceSharding(jax.devices()[0])
@@ -161,10 +169,14 @@ def from_hf(
     dtype: str = "float32",
     mesh: Mesh | None = None,
     rules: Sequence[tuple[str, Any]] | None = None,
+    *,
+    allow_unused: Sequence[str] = (),
     **runtime: Any,
 ) -> tuple[Qwen35ForCausalLM, Qwen35Config]:
     """Loads a transformers Qwen3.5 checkpoint directory. `dtype` is the param and compute dtype;
-    `runtime` overrides other run-time config fields (remat, chunk_size, param_dtype)."""
+    `runtime` overrides other run-time config fields (remat, chunk_size, param_dtype).
+    `allow_unused`: tensor names the checkpoint may hold beyond the model's (e.g. a PRM's
+    ``score.weight``, read with `read_tensor`); any other unused tensor is an error."""
     directory = pathlib.Path(path)
     config = read_config(directory, **{"dtype": dtype, "param_dtype": dtype, **runtime})
     tensors = _SafetensorsDir(directory)
@@ -187,7 +199,7 @@ def from_hf(
         value = jax.make_array_from_callback(host.shape, sharding, lambda index, host=host: host[index])
         loaded.append((var_path, variable.replace(value)))
         used.update(names)
-    unused = set(tensors.names) - used
+    unused = set(tensors.names) - used - set(allow_unused)
     if config.tie_word_embeddings:
         unused.discard("lm_head.weight")  # some exporters write the tied copy
     if unused:

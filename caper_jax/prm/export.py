@@ -19,6 +19,7 @@ from caper_jax.models import hf_io
 from caper_jax.prm.model import ClausePRM, backbone_config
 
 HF_ARCHITECTURE = "Qwen3_5TextForSequenceClassification"
+SCORE_TENSOR = "score.weight"
 
 
 def load_prm_backbone(hf_dir: str, mesh, rules, *, seed: int = 0, **runtime) -> ClausePRM:
@@ -35,6 +36,29 @@ def load_prm_backbone(hf_dir: str, mesh, rules, *, seed: int = 0, **runtime) -> 
     return ClausePRM(config, rngs=nnx.Rngs(seed), backbone=backbone)
 
 
+def load_prm_from_hf(hf_dir: str | pathlib.Path, mesh=None, rules=None, *, dtype: str = "float32",
+                     **runtime) -> ClausePRM:
+    """A trained ClausePRM from an ``export_prm_to_hf`` directory, each tensor placed on its sharding."""
+    hf_dir = pathlib.Path(hf_dir)
+    architectures = json.loads((hf_dir / "config.json").read_text()).get("architectures") or []
+    if HF_ARCHITECTURE not in architectures:
+        raise hf_io.CheckpointError(f"{hf_dir} is a {architectures} checkpoint, not a Clause-PRM export "
+                                    f"({HF_ARCHITECTURE}): its score head would be random")
+    backbone, config = hf_io.from_hf(hf_dir, dtype=dtype, mesh=mesh, rules=rules, allow_unused=(SCORE_TENSOR,),
+                                     **runtime)
+    head = hf_io.read_tensor(hf_dir, SCORE_TENSOR)
+    if head.shape != (1, config.hidden_size):
+        raise hf_io.CheckpointError(f"{hf_dir}: {SCORE_TENSOR} has shape {head.shape}, expected (1, {config.hidden_size})")
+    prm = ClausePRM(config, rngs=nnx.Rngs(0), backbone=backbone)
+    value = jnp.asarray(head[0], jnp.float32)
+    if mesh is not None:
+        from caper_jax.parallel.rules import logical_to_sharding
+
+        value = jax.device_put(value, logical_to_sharding(prm.score_head, mesh, rules or ()).get_value())
+    prm.score_head.set_value(value)
+    return prm
+
+
 def export_prm_to_hf(model: ClausePRM, out_dir: str | pathlib.Path, tokenizer=None,
                      max_shard_bytes: int = 5 * 2**30) -> pathlib.Path:
     """Writes the PRM as an HF sequence-classification checkpoint (+ tokenizer files if given)."""
@@ -43,9 +67,10 @@ def export_prm_to_hf(model: ClausePRM, out_dir: str | pathlib.Path, tokenizer=No
 
     def tensors():
         yield from hf_io.hf_state_dict(model.backbone, model.backbone.config)
-        yield "score.weight", head.astype(np.dtype(jnp.dtype(config.param_dtype)))
+        yield SCORE_TENSOR, head.astype(np.dtype(jnp.dtype(config.param_dtype)))
 
-    hf_config = config.to_hf_dict()
+    # The backbone config (no separate lm_head) is what the file holds; load_prm_from_hf reads it back.
+    hf_config = model.backbone.config.to_hf_dict()
     pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else config.pad_token_id
     hf_config.update(architectures=[HF_ARCHITECTURE], num_labels=1, id2label={"0": "LABEL_0"},
                      label2id={"LABEL_0": 0}, pad_token_id=pad_id, problem_type="regression")

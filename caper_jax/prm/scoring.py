@@ -31,7 +31,6 @@ NaN (truncated) clauses are ignored; a query with no scored clause (unparseable)
 from __future__ import annotations
 
 import functools
-import json
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -214,38 +213,11 @@ def restore_prm(step_dir: pathlib.Path, config: Mapping[str, Any], mesh, rules, 
 
 
 def load_hf_prm(hf_dir: str | pathlib.Path, mesh, rules, *, dtype: str = "float32") -> ClausePRM:
-    """A ClausePRM from an ``export_prm_to_hf`` directory (backbone tensors + ``score.weight``).
+    """A ClausePRM from an ``export_prm_to_hf`` directory (backbone tensors + ``score.weight``)."""
+    from caper_jax.models.hf_io import CheckpointError
+    from caper_jax.prm.export import load_prm_from_hf
 
-    Each parameter is read from the memory-mapped safetensors and placed straight onto its sharding.
-    """
-    from caper_jax.models import hf_io
-    from caper_jax.models.qwen35 import to_dtype
-    from caper_jax.prm.export import HF_ARCHITECTURE
-
-    hf_dir = pathlib.Path(hf_dir)
-    config = hf_io.read_config(hf_dir, dtype=dtype, param_dtype=dtype)
-    architectures = json.loads((hf_dir / "config.json").read_text()).get("architectures") or []
-    if HF_ARCHITECTURE not in architectures:
-        raise ScoringError(f"{hf_dir} is a {architectures} checkpoint, not a Clause-PRM export "
-                           f"({HF_ARCHITECTURE}): its score head would be random")
-    graphdef, abstract = rules_lib.abstract_state(lambda: ClausePRM(config, rngs=nnx.Rngs(0)), mesh, rules)
-    tensors = hf_io._SafetensorsDir(hf_dir)
-    if "score.weight" not in tensors:
-        raise ScoringError(f"{hf_dir}: no score.weight tensor")
-    names_config = config.replace(tie_word_embeddings=True)  # the PRM backbone has no lm_head
-    loaded = []
-    for var_path, variable in nnx.to_flat_state(abstract):
-        if var_path == ("score_head",):
-            host = tensors.read("score.weight")[0]
-        else:
-            names = hf_io.hf_tensor_names(var_path[1:], names_config)
-            layout = hf_io._layout(var_path[1:])
-            parts = [hf_io._from_hf_layout(tensors.read(n), layout) for n in names]
-            host = np.stack(parts) if var_path[1] == "layers" else parts[0]
-        if host.shape != variable.shape:
-            raise ScoringError(f"{hf_dir}: {'/'.join(map(str, var_path))} has shape {host.shape}, "
-                               f"expected {variable.shape}")
-        host = host.astype(to_dtype(variable.dtype), copy=False)
-        value = jax.make_array_from_callback(host.shape, variable.sharding, lambda index, h=host: h[index])
-        loaded.append((var_path, value))
-    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+    try:
+        return load_prm_from_hf(hf_dir, mesh, rules, dtype=dtype)
+    except CheckpointError as e:
+        raise ScoringError(str(e)) from e

@@ -3,7 +3,6 @@ and the clause head reads exactly the positions it is given."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from ml_collections import ConfigDict
