@@ -48,6 +48,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.annotate.alpha = 1.0
     c.annotate.sigma = 1.0
     c.annotate.margin_floor = 0.05
+    c.annotate.within_trajectory = True       # also rank each negative's clauses against its root (docs/annotation.md)
     c.annotate.timeout_s = 2.0
 
     c.model = ConfigDict()

@@ -9,6 +9,15 @@ forgiven as in Spider's test-suite metric), and with two mistakes, only if each 
 changes the result — so the earlier one really is a root cause. Surface variants are kept only if
 their result is identical to the gold's.
 
+Real predictions are wrong in one place and differently spelled everywhere (aliases, qualifiers,
+keyword case, conjunct and join order, ``!=``). So a share (``SURFACE_SHARE``) of the wrong
+predictions is also respelled with one to three surface rewrites. A rewrite acts clause by clause
+and is applied to the gold and to the wrong query alike, and it is kept only if neither result
+changes (exact rows, no column permutation): the error and its root clause stay what they were,
+while a text comparison with the gold now sees differences in clauses that are right. The record
+keeps the rewrites (``surface``) and the gold in the same spelling (``surface_gold``), which
+differs from the prediction exactly where the errors are.
+
 Clause names follow caper_jax.sql.clauses: SELECT, FROM (with JOINs), WHERE, GROUP BY, HAVING,
 ORDER BY, LIMIT of the first (or only) SELECT; in a compound query everything right of an
 operator belongs to the unit named after the operator (UNION, INTERSECT, EXCEPT). A mistake inside
@@ -41,8 +50,13 @@ _AGGREGATES = (exp.Avg, exp.Sum, exp.Min, exp.Max)
 _MAX_FILTER_VALUES = 60  # columns with more distinct values are not used for extra conditions
 
 PREDICTION_MIX = {"exact": 0.1, "surface": 0.2, "error": 0.5, "double_error": 0.2}
-SURFACE_WEIGHTS = {"keyword_case": 1.0, "table_aliases": 1.0, "commuted_conjuncts": 3.0,
-                   "commuted_join_condition": 3.0, "neq_spelling": 3.0}
+# Share of error / double_error predictions that are also respelled, and how many rewrites they get:
+# real predictions differ from gold on the surface too, not only where they are wrong.
+SURFACE_SHARE = 0.5
+SURFACE_COUNT_WEIGHTS = {1: 0.6, 2: 0.3, 3: 0.1}
+# Rewrites that exist only for some queries (an AND, a JOIN, a <>) are tried first more often.
+SURFACE_WEIGHTS = {"keyword_case": 1.0, "table_aliases": 1.0, "qualification": 1.0, "commuted_conjuncts": 3.0,
+                   "commuted_join_condition": 3.0, "join_order": 3.0, "neq_spelling": 3.0}
 
 
 # ----------------------------------------------------------------------------- text <-> tree
@@ -441,28 +455,100 @@ def _select_edits(select: exp.Select, info: SchemaInfo, values: ValueSource, rng
 
 
 # ----------------------------------------------------------------------------- surface variants
+#
+# A surface rewrite changes the spelling of a query, never its meaning. Each is a pure function of
+# one tree (or text) that acts clause by clause -- it never moves text from one clause to another --
+# so applied to the gold and to a wrong prediction alike it keeps which clauses differ, and the
+# first of them, the root clause. The aliasing rewrites are the only ones that read across clauses
+# (a column's qualifier comes from FROM); both sides get the same aliases because errors keep the
+# number and order of tables.
 
-def surface_variants(tree: exp.Expression, gold: str, info: SchemaInfo) -> dict[str, str]:
-    """Rewrites that change the text but never the meaning, keyed by variant name."""
-    variants = {"keyword_case": _lowercase(gold)}
-    if "<>" in gold:
-        variants["neq_spelling"] = _replace_tokens(gold, TokenType.NEQ, "!=")
-    aliased = _with_aliases(tree, info)
-    if aliased is not None:
-        variants["table_aliases"] = render(aliased)
-    conj = next((n for n in tree.find_all(exp.And)), None)
-    if conj is not None:
-        swapped = tree.copy()
-        node = next(n for n in swapped.find_all(exp.And))
-        node.replace(exp.And(this=node.expression.copy(), expression=node.this.copy()))
-        variants["commuted_conjuncts"] = render(swapped)
-    join_eq = next((n for n in tree.find_all(exp.EQ) if n.find_ancestor(exp.Join)), None)
-    if join_eq is not None:
-        swapped = tree.copy()
-        node = next(n for n in swapped.find_all(exp.EQ) if n.find_ancestor(exp.Join))
-        node.replace(exp.EQ(this=node.expression.copy(), expression=node.this.copy()))
-        variants["commuted_join_condition"] = render(swapped)
-    return {name: text for name, text in variants.items() if text != gold}
+TreeRewrite = Callable[[exp.Expression, SchemaInfo], "exp.Expression | None"]  # None: cannot apply
+
+
+def _commute_conjuncts(tree: exp.Expression, info: SchemaInfo) -> exp.Expression:
+    """``a AND b`` -> ``b AND a``, for every AND."""
+    copy = tree.copy()
+    for node in list(copy.find_all(exp.And)):
+        left, right = node.this, node.expression
+        node.set("this", right)
+        node.set("expression", left)
+    return copy
+
+
+def _commute_join_conditions(tree: exp.Expression, info: SchemaInfo) -> exp.Expression:
+    """``ON a.x = b.y`` -> ``ON b.y = a.x``, for every equality inside a JOIN."""
+    copy = tree.copy()
+    for node in [n for n in copy.find_all(exp.EQ) if n.find_ancestor(exp.Join)]:
+        left, right = node.this, node.expression
+        node.set("this", right)
+        node.set("expression", left)
+    return copy
+
+
+def _join_order(tree: exp.Expression, info: SchemaInfo) -> exp.Expression:
+    """``FROM a JOIN b ON c`` -> ``FROM b JOIN a ON c`` where the first join is an inner one."""
+    copy = tree.copy()
+    for select in list(copy.find_all(exp.Select)):
+        joins = select.args.get("joins") or []
+        source = select.args["from_"].this if select.args.get("from_") else None
+        if not joins or not isinstance(source, exp.Table) or not isinstance(joins[0].this, exp.Table):
+            continue
+        first = joins[0]
+        if first.args.get("side") or first.args.get("kind") or first.args.get("on") is None:
+            continue
+        left, right = source, first.this
+        select.args["from_"].set("this", right)
+        first.set("this", left)
+    return copy
+
+
+def _qualification(tree: exp.Expression, info: SchemaInfo) -> exp.Expression | None:
+    """Qualify the columns of one-table scopes (``book.pages``); in a join, drop the qualifier of a
+    column only one of the scope's tables has. Scopes with aliases are left as written."""
+    copy = tree.copy()
+    for select in list(copy.find_all(exp.Select)):
+        tables = [select.args["from_"].this] if select.args.get("from_") else []
+        tables += [j.this for j in select.args.get("joins") or []]
+        if not tables or not all(isinstance(t, exp.Table) and not t.alias for t in tables):
+            continue
+        columns = [c for c in select.find_all(exp.Column) if _scope(c) is select]
+        if len(tables) == 1:
+            owners = [column_table(c, info) for c in columns]
+            if any(o is None for o in owners):
+                return None
+            for column, owner in zip(columns, owners):
+                column.set("table", exp.to_identifier(owner))
+            continue
+        names = [t.name for t in tables]
+        for column in columns:
+            if column.table and sum(column.name in info.columns.get(t, {}) for t in names) == 1:
+                column.set("table", None)
+    return copy
+
+
+def _table_aliases(tree: exp.Expression, info: SchemaInfo) -> exp.Expression | None:
+    """Spider-style ``FROM product AS T1 JOIN supplier AS T2`` with every column qualified."""
+    copy = tree.copy()
+    count = 0
+    for select in list(copy.find_all(exp.Select)):
+        tables = [select.args["from_"].this] if select.args.get("from_") else []
+        tables += [j.this for j in select.args.get("joins") or []]
+        if not tables or not all(isinstance(t, exp.Table) and not t.alias for t in tables):
+            continue
+        columns = [c for c in select.find_all(exp.Column) if _scope(c) is select]
+        owners = [column_table(c, info) for c in columns]
+        if any(o is None for o in owners):
+            return None
+        alias = {}
+        for table in tables:
+            count += 1
+            alias[table.name] = f"T{count}"
+        for column, owner in zip(columns, owners):
+            column.set("table", exp.to_identifier(alias[owner]))
+        for table in tables:
+            table.set("alias", exp.TableAlias(this=exp.to_identifier(alias[table.name])))
+    return copy if count else None
 
 
 def _lowercase(sql: str) -> str:
@@ -487,28 +573,43 @@ def _replace_tokens(sql: str, token_type: TokenType, text: str) -> str:
     return "".join(out)
 
 
-def _with_aliases(tree: exp.Expression, info: SchemaInfo) -> exp.Expression | None:
-    """Spider-style ``FROM product AS T1 JOIN supplier AS T2`` with every column qualified."""
-    copy = tree.copy()
-    count = 0
-    for select in list(copy.find_all(exp.Select)):
-        tables = [select.args["from_"].this] if select.args.get("from_") else []
-        tables += [j.this for j in select.args.get("joins") or []]
-        if not tables or not all(isinstance(t, exp.Table) and not t.alias for t in tables):
-            continue
-        columns = [c for c in select.find_all(exp.Column) if _scope(c) is select]
-        owners = [column_table(c, info) for c in columns]
-        if any(o is None for o in owners):
-            return None
-        alias = {}
-        for table in tables:
-            count += 1
-            alias[table.name] = f"T{count}"
-        for column, owner in zip(columns, owners):
-            column.set("table", exp.to_identifier(alias[owner]))
-        for table in tables:
-            table.set("alias", exp.TableAlias(this=exp.to_identifier(alias[table.name])))
-    return copy if count else None
+# Applied in this order: structure first, then names, then spelling of the rendered text.
+TREE_REWRITES: dict[str, TreeRewrite] = {
+    "commuted_conjuncts": _commute_conjuncts, "commuted_join_condition": _commute_join_conditions,
+    "join_order": _join_order, "table_aliases": _table_aliases, "qualification": _qualification}
+TEXT_REWRITES: dict[str, Callable[[str], str]] = {
+    "neq_spelling": lambda sql: _replace_tokens(sql, TokenType.NEQ, "!="), "keyword_case": _lowercase}
+SURFACE_KINDS = tuple(TREE_REWRITES) + tuple(TEXT_REWRITES)
+_NAMING = frozenset({"table_aliases", "qualification"})   # two ways to name columns: use one
+
+
+def rewrite_surface(tree: exp.Expression, names: Sequence[str], info: SchemaInfo) -> str | None:
+    """The text of ``tree`` with the named surface rewrites applied, or None when one cannot apply."""
+    unknown = set(names) - set(SURFACE_KINDS)
+    if unknown:
+        raise ValueError(f"unknown surface rewrites {sorted(unknown)}; known: {SURFACE_KINDS}")
+    for name in TREE_REWRITES:
+        if name in names:
+            tree = TREE_REWRITES[name](tree, info)
+            if tree is None:
+                return None
+    text = render(tree)
+    for name in TEXT_REWRITES:
+        if name in names:
+            text = TEXT_REWRITES[name](text)
+    return text
+
+
+def surface_variants(tree: exp.Expression, gold: str, info: SchemaInfo) -> dict[str, str]:
+    """Each single rewrite that changes the text of ``tree``, keyed by name."""
+    variants = {name: rewrite_surface(tree, (name,), info) for name in SURFACE_KINDS}
+    return {name: text for name, text in variants.items() if text is not None and text != gold}
+
+
+def _weighted_order(names: Sequence[str], rng: random.Random) -> list[str]:
+    """A weighted random order: rewrites that exist only for some queries come first more often, so
+    they are not drowned by those that apply to every query."""
+    return sorted(names, key=lambda n: rng.random() ** (1 / SURFACE_WEIGHTS.get(n, 1.0)), reverse=True)
 
 
 # ----------------------------------------------------------------------------- predictions
@@ -520,13 +621,15 @@ class Prediction:
     error_kind: str
     true_root_clause: str | None
     errors: tuple[dict, ...]
+    surface: tuple[str, ...]   # surface rewrites in the prediction (SURFACE_KINDS names)
+    surface_gold: str          # the gold spelled with the same rewrites: the prediction minus its errors
 
 
 class Predictor:
     """Makes one verified prediction per gold query of one database."""
 
     def __init__(self, conn: sqlite3.Connection, schema: DemoSchema, mix: dict[str, float] | None = None,
-                 max_tries: int = 24):
+                 max_tries: int = 24, surface_share: float = SURFACE_SHARE):
         self.conn = conn
         self.info = SchemaInfo.of(schema)
         self.values = ValueSource(conn)
@@ -534,8 +637,11 @@ class Predictor:
         unknown = set(mix) - set(PREDICTION_MIX)
         if unknown or any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
             raise ValueError(f"prediction mix must weight {sorted(PREDICTION_MIX)} (>= 0, not all 0); got {mix}")
+        if not 0.0 <= surface_share <= 1.0:
+            raise ValueError(f"surface_share must be in [0, 1], got {surface_share}")
         self.mix = mix
         self.max_tries = max_tries
+        self.surface_share = surface_share
 
     def predict(self, gold: str, rng: random.Random) -> Prediction:
         kinds = [k for k in PREDICTION_MIX if self.mix.get(k, 0) > 0]
@@ -556,17 +662,14 @@ class Predictor:
     # query admits no prediction of its kind.
     def _exact(self, tree: exp.Expression, gold: str, gold_rows: Rows, ordered: bool,
                rng: random.Random) -> Prediction:
-        return Prediction(gold, "exact", "exact", None, ())
+        return Prediction(gold, "exact", "exact", None, (), (), gold)
 
     def _surface(self, tree: exp.Expression, gold: str, gold_rows: Rows, ordered: bool,
                  rng: random.Random) -> Prediction | None:
         variants = surface_variants(tree, gold, self.info)
-        # A weighted random order: the rewrites that exist only for some queries come first more
-        # often, so they are not drowned by the two that apply to every query.
-        names = sorted(variants, key=lambda n: rng.random() ** (1 / SURFACE_WEIGHTS.get(n, 1.0)), reverse=True)
-        for name in names:
+        for name in _weighted_order(list(variants), rng):
             if self._result_equal(variants[name], gold_rows, ordered):
-                return Prediction(variants[name], "surface", f"surface:{name}", None, ())
+                return Prediction(variants[name], "surface", f"surface:{name}", None, (), (name,), variants[name])
         return None
 
     def _error(self, tree: exp.Expression, gold: str, gold_rows: Rows, ordered: bool,
@@ -582,8 +685,7 @@ class Predictor:
             edit = rng.choice(by_kind[rng.choice(kinds)])
             pred = self._changes_result(tree, [edit], gold, gold_rows, ordered)
             if pred is not None:
-                return Prediction(pred, "error", edit.kind, edit.clause,
-                                  ({"kind": edit.kind, "clause": edit.clause},))
+                return self._wrong(tree, gold, gold_rows, ordered, "error", [edit], pred, rng)
         return None
 
     def _double_error(self, tree: exp.Expression, gold: str, gold_rows: Rows, ordered: bool,
@@ -604,10 +706,43 @@ class Predictor:
                 first, second = sorted((other, edit), key=lambda e: (clause_rank(tree, e.clause), e.index))
                 pred = self._changes_result(tree, [first, second], gold, gold_rows, ordered)
                 if pred is not None:
-                    errors = tuple({"kind": e.kind, "clause": e.clause} for e in (first, second))
-                    return Prediction(pred, "double_error", f"{first.kind}+{second.kind}", first.clause, errors)
+                    return self._wrong(tree, gold, gold_rows, ordered, "double_error", [first, second], pred, rng)
             good.append(edit)
         return None
+
+    def _wrong(self, tree: exp.Expression, gold: str, gold_rows: Rows, ordered: bool, kind: str,
+               edits: list[Edit], pred: str, rng: random.Random) -> Prediction:
+        """A verified wrong prediction; with probability ``surface_share`` also in another spelling."""
+        surface, surface_gold = (), gold
+        if rng.random() < self.surface_share:
+            surface, surface_gold, pred = self._respell(tree, gold, gold_rows, ordered, edits, pred, rng)
+        errors = tuple({"kind": e.kind, "clause": e.clause} for e in edits)
+        return Prediction(pred, kind, "+".join(e.kind for e in edits), edits[0].clause, errors, surface,
+                          surface_gold)
+
+    def _respell(self, tree: exp.Expression, gold: str, gold_rows: Rows, ordered: bool, edits: list[Edit],
+                 pred: str, rng: random.Random) -> tuple[tuple[str, ...], str, str]:
+        """(rewrites, gold respelled, prediction respelled): up to a drawn number of surface rewrites,
+        each kept only if it changes the gold's text and leaves both the gold's and the prediction's
+        result exactly as they were -- so the error, and where it is, stay the same."""
+        wrong = apply_edits(tree, edits)
+        pred_rows = execute(self.conn, pred)
+        count = rng.choices(list(SURFACE_COUNT_WEIGHTS), weights=list(SURFACE_COUNT_WEIGHTS.values()))[0]
+        # A wrong table copied into qualifiers would make SELECT, written before FROM, differ as well.
+        blocked = {"qualification"} if any(e.kind == "wrong_table" for e in edits) else set()
+        chosen: tuple[str, ...] = ()
+        for name in _weighted_order(SURFACE_KINDS, rng):
+            if len(chosen) == count:
+                break
+            if name in blocked or (name in _NAMING and _NAMING & set(chosen)):
+                continue
+            names = chosen + (name,)
+            new_gold, new_pred = rewrite_surface(tree, names, self.info), rewrite_surface(wrong, names, self.info)
+            if new_gold is None or new_pred is None or new_gold == gold:
+                continue
+            if self._result_equal(new_gold, gold_rows, ordered) and self._result_equal(new_pred, pred_rows, ordered):
+                chosen, gold, pred = names, new_gold, new_pred
+        return chosen, gold, pred
 
     def _changes_result(self, tree: exp.Expression, edits: Sequence[Edit], gold: str, gold_rows: Rows,
                         ordered: bool) -> str | None:

@@ -33,7 +33,7 @@ from caper_jax.data.demo_templates import SPLITS, TEMPLATES, NoValue, Slots, Tem
 
 DEFAULT_TRAIN_SIZE = 1500
 DEFAULT_DEV_SIZE = 300
-BUILD_VERSION = 4  # bump when the generator changes, so cached builds are rebuilt
+BUILD_VERSION = 5  # bump when the generator changes, so cached builds are rebuilt
 _A_BEFORE_VOWEL = re.compile(r"\b([Aa]) (?=[AEIOUaeiou])")  # templates write "a {noun}"; "an airline"
 _MAX_CONSECUTIVE_FAILURES = 40  # a (template, database) pair is retired after this many misses in a row
 
@@ -129,8 +129,10 @@ def _instantiate(template: Template, db: Database, split: str, rng: random.Rando
 
 
 def make_predictions(databases: dict[str, Database], examples: list[dict], seed: int, split: str,
-                     mix: dict[str, float] | None = None) -> list[dict]:
-    predictors = {db_id: preds.Predictor(db.conn, db.schema, mix) for db_id, db in databases.items()}
+                     mix: dict[str, float] | None = None,
+                     surface_share: float = preds.SURFACE_SHARE) -> list[dict]:
+    predictors = {db_id: preds.Predictor(db.conn, db.schema, mix, surface_share=surface_share)
+                  for db_id, db in databases.items()}
     records = []
     for index, example in enumerate(examples):
         rng = random.Random(f"{seed}:prediction:{split}:{index}")
@@ -139,23 +141,26 @@ def make_predictions(databases: dict[str, Database], examples: list[dict], seed:
             "index": index, "split": split, "db_id": example["db_id"], "question": example["question"],
             "gold": example["query"], "pred": made.pred, "kind": made.kind,
             "true_root_clause": made.true_root_clause, "error_kind": made.error_kind,
-            "errors": list(made.errors), "template_id": example["template_id"],
+            "errors": list(made.errors), "surface": list(made.surface), "surface_gold": made.surface_gold,
+            "template_id": example["template_id"],
         })
     return records
 
 
 def build_demo_world(out_dir: str | pathlib.Path, seed: int = 0, *, train_size: int = DEFAULT_TRAIN_SIZE,
                      dev_size: int = DEFAULT_DEV_SIZE, prediction_mix: dict[str, float] | None = None,
-                     force: bool = False) -> pathlib.Path:
+                     surface_share: float = preds.SURFACE_SHARE, force: bool = False) -> pathlib.Path:
     """Writes the demo world under ``out_dir`` and returns it.
 
     A finished build with the same settings is reused (its manifest.json matches) unless ``force``.
     """
     if train_size < 1 or dev_size < 1:
         raise ValueError(f"train_size and dev_size must be positive, got {train_size}, {dev_size}")
+    if not 0.0 <= surface_share <= 1.0:
+        raise ValueError(f"surface_share must be in [0, 1], got {surface_share}")
     out = pathlib.Path(out_dir)
     settings = {"version": BUILD_VERSION, "seed": seed, "train_size": train_size, "dev_size": dev_size,
-                "prediction_mix": prediction_mix or preds.PREDICTION_MIX}
+                "prediction_mix": prediction_mix or preds.PREDICTION_MIX, "surface_share": surface_share}
     manifest_path = out / "manifest.json"
     if not force and manifest_path.exists():
         if json.loads(manifest_path.read_text()).get("settings") == settings:
@@ -166,7 +171,7 @@ def build_demo_world(out_dir: str | pathlib.Path, seed: int = 0, *, train_size: 
     databases = open_databases(seed)
     splits = {"train": generate_examples(databases, seed, "train", train_size),
               "dev": generate_examples(databases, seed, "dev", dev_size)}
-    predictions = {split: make_predictions(databases, examples, seed, split, prediction_mix)
+    predictions = {split: make_predictions(databases, examples, seed, split, prediction_mix, surface_share)
                    for split, examples in splits.items()}
 
     out.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,8 @@ def loss_config(config) -> PairLossConfig:
 def annotation_settings(config) -> AnnotationSettings:
     a = config.annotate
     return AnnotationSettings(alpha=a.alpha, sigma=a.sigma, margin_floor=a.margin_floor,
-                              per_query=a.per_query, timeout_s=a.timeout_s, seed=config.seed)
+                              per_query=a.per_query, timeout_s=a.timeout_s,
+                              within_trajectory=a.within_trajectory, seed=config.seed)
 
 
 def annotate_split(world: DataWorld, split: str, settings: AnnotationSettings, cache_dir: pathlib.Path
@@ -129,12 +130,14 @@ def run(config, workdir: str) -> dict:
         workdir.mkdir(parents=True, exist_ok=True)
     writer = MetricWriter(workdir, enabled=main)
 
-    # Data: the world (demo or Spider layout), its tokenizer, and annotated tuples.
-    world = prepare_world(config, workdir)
-    tokenizer = world.tokenizer
+    # Data: the world (demo or Spider layout), its tokenizer, and annotated tuples. Process 0
+    # builds them; the others then reuse its files (shared workdir) or build their own (local disk).
     settings = annotation_settings(config)
-    train_path = annotate_split(world, config.data.train_split, settings, workdir / "tuples")
-    eval_path = annotate_split(world, config.data.eval_split, settings, workdir / "tuples")
+    with multihost.main_process_first("prepare data"):
+        world = prepare_world(config, workdir)
+        train_path = annotate_split(world, config.data.train_split, settings, workdir / "tuples")
+        eval_path = annotate_split(world, config.data.eval_split, settings, workdir / "tuples")
+    tokenizer = world.tokenizer
 
     # Model, optimizer and state, created sharded over the mesh.
     mesh = mesh_lib.make_mesh(config.mesh_shape.to_dict())

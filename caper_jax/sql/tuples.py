@@ -23,6 +23,19 @@ Sources:
 * **counterfactual** (the repaired prediction is positive, the prediction negative; provenance
   ``counterfactual``), from ``localize.localize``.
 
+Within-trajectory tuples (our extension beyond the paper, ``AnnotationSettings.within_trajectory``).
+Aligned tuples teach what a wrong clause is worth against an alternative clause at the same place;
+root-cause localisation ranks the clauses of ONE failed query against each other, which aligned
+tuples never compare. So each negative query also yields, for every clause k of its own
+
+    (prefix_k, clause_k)  >  (prefix_root, clause_root)     with  delta = r_k - r_root >= margin_floor
+
+where the root is the clause propagation gave the lowest reward (-alpha, first in written order on
+a tie); a root position the negative lacks (a missing clause) is represented, as above, by the
+clause it wrote next. Both states come from the negative's own text, so their prefixes differ.
+``clause`` names the root position (the blamed state); provenance is ``within:<mutation kind>`` or
+``within:counterfactual``.
+
 The ``schema`` field is ``caper_jax.data.prompts.serialize_schema`` of the database's tables.json
 record when one is given, else of a record built from the SQLite catalogue (``tables_entry``).
 """
@@ -56,7 +69,7 @@ class PreferenceTuple:
     prefix_rejected: str
     rejected: str          # u- clause text
     margin: float          # delta = r(u+) - r(u-) > 0
-    provenance: str        # "mutation:<kind>" or "counterfactual"
+    provenance: str        # "mutation:<kind>" | "counterfactual" | "within:<kind>" | "within:counterfactual"
     gold_sql: str
     negative_sql: str
 
@@ -108,15 +121,59 @@ def _state_at(units: dict[Position, ClauseUnit], position: Position) -> ClauseUn
     return units[min(later, key=position_rank)] if later else None
 
 
+def within_trajectory_tuples(context: Context, *, negative_sql: str, negative_rewards: Mapping[str, float],
+                             margin_floor: float, provenance: str) -> list[PreferenceTuple]:
+    """Every clause of one negative query against its own root clause (module docstring).
+
+    ``negative_rewards`` maps position keys to propagated rewards (absent: 0). Raises SqlParseError
+    when ``negative_sql`` does not split into clauses.
+    """
+    if margin_floor <= 0:
+        raise ValueError(f"margin_floor must be > 0, got {margin_floor}")
+    if not negative_rewards:
+        return []
+    units = clause_units(negative_sql)
+    ranked = sorted(negative_rewards, key=lambda k: (negative_rewards[k], position_rank(_position(k))))
+    root_position = _position(ranked[0])
+    root_reward = negative_rewards[ranked[0]]
+    root = _state_at(units, root_position)
+    if root is None:
+        return []
+    prefix_rejected = negative_sql[:root.start]
+    out = []
+    for position, unit in units.items():
+        margin = negative_rewards.get(position.key, 0.0) - root_reward
+        if unit is root or margin < margin_floor:
+            continue
+        out.append(PreferenceTuple(
+            question=context.question, db_id=context.db_id, schema=context.schema,
+            clause=root_position.name, prefix_chosen=negative_sql[:unit.start], chosen=unit.text,
+            prefix_rejected=prefix_rejected, rejected=root.text, margin=float(margin),
+            provenance=provenance, gold_sql=context.gold_sql, negative_sql=negative_sql))
+    return out
+
+
+def _position(key: str) -> Position:
+    """Inverse of ``Position.key``: ``"UNION#2"`` -> Position("UNION", 1)."""
+    name, _, number = key.partition("#")
+    return Position(name, int(number) - 1 if number else 0)
+
+
 def counterfactual_tuples(context: Context, pred_sql: str, localization: Localization, *,
-                          margin_floor: float) -> list[PreferenceTuple]:
-    """Corrected query (positive) against the prediction (negative)."""
+                          margin_floor: float, within_trajectory: bool = False) -> list[PreferenceTuple]:
+    """Corrected query (positive) against the prediction (negative); with ``within_trajectory``
+    also the prediction's clauses against its root clause."""
     if localization.correct or localization.corrected_sql is None:
         return []
     try:
-        return aligned_tuples(context, positive_sql=localization.corrected_sql, positive_rewards={},
-                              negative_sql=pred_sql, negative_rewards=localization.clause_rewards,
-                              margin_floor=margin_floor, provenance="counterfactual")
+        out = aligned_tuples(context, positive_sql=localization.corrected_sql, positive_rewards={},
+                             negative_sql=pred_sql, negative_rewards=localization.clause_rewards,
+                             margin_floor=margin_floor, provenance="counterfactual")
+        if within_trajectory:
+            out += within_trajectory_tuples(context, negative_sql=pred_sql,
+                                            negative_rewards=localization.clause_rewards,
+                                            margin_floor=margin_floor, provenance="within:counterfactual")
+        return out
     except SqlParseError:
         return []
 
@@ -140,17 +197,22 @@ def mutation_rewards(negative: Negative, *, alpha: float, sigma: float, referenc
 
 
 def mutation_tuples(context: Context, negative: Negative, *, alpha: float, sigma: float, margin_floor: float,
-                    reference_edges: bool = True,
-                    schema: AnySchema | None = None) -> list[PreferenceTuple]:
-    """Gold (positive) against one mutated query (negative)."""
+                    reference_edges: bool = True, schema: AnySchema | None = None,
+                    within_trajectory: bool = False) -> list[PreferenceTuple]:
+    """Gold (positive) against one mutated query (negative); with ``within_trajectory`` also the
+    mutant's clauses against its mutated clause."""
     rewards = mutation_rewards(negative, alpha=alpha, sigma=sigma, reference_edges=reference_edges,
                                schema=schema)
     positive_sql = context.gold_sql
     if negative.sql == negative.tree.sql(dialect=canon.DIALECT):
         positive_sql = canon.parse(context.gold_sql).sql(dialect=canon.DIALECT)
-    return aligned_tuples(context, positive_sql=positive_sql, positive_rewards={},
-                          negative_sql=negative.sql, negative_rewards=rewards,
-                          margin_floor=margin_floor, provenance=f"mutation:{negative.mutation}")
+    out = aligned_tuples(context, positive_sql=positive_sql, positive_rewards={},
+                         negative_sql=negative.sql, negative_rewards=rewards,
+                         margin_floor=margin_floor, provenance=f"mutation:{negative.mutation}")
+    if within_trajectory:
+        out += within_trajectory_tuples(context, negative_sql=negative.sql, negative_rewards=rewards,
+                                        margin_floor=margin_floor, provenance=f"within:{negative.mutation}")
+    return out
 
 
 def tables_entry(schema: Schema) -> dict:
@@ -176,6 +238,7 @@ class AnnotationSettings:
     sigma: float = 1.0
     margin_floor: float = 0.05
     reference_edges: bool = True
+    within_trajectory: bool = True
     per_query: int = 4
     max_attempts: int | None = None
     semantics: str = "spider"
@@ -288,7 +351,8 @@ class Annotator:
             return Annotation([], "error", error="gold_fails")
         if loc.correct:
             return self._mutations(context, schema) if self.mutate_correct else Annotation([], "correct")
-        tuples = counterfactual_tuples(context, pred, loc, margin_floor=s.margin_floor)
+        tuples = counterfactual_tuples(context, pred, loc, margin_floor=s.margin_floor,
+                                       within_trajectory=s.within_trajectory)
         return Annotation(tuples, "counterfactual", negatives_by_kind={"counterfactual": 1},
                           tuples_by_kind={"counterfactual": len(tuples)} if tuples else {})
 
@@ -307,7 +371,7 @@ class Annotator:
             out.negatives_by_kind[negative.mutation] = out.negatives_by_kind.get(negative.mutation, 0) + 1
             tuples = mutation_tuples(context, negative, alpha=s.alpha, sigma=s.sigma,
                                      margin_floor=s.margin_floor, reference_edges=s.reference_edges,
-                                     schema=schema)
+                                     schema=schema, within_trajectory=s.within_trajectory)
             out.tuples.extend(tuples)
             if tuples:
                 kind = negative.mutation

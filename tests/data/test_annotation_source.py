@@ -55,7 +55,8 @@ def test_trajectories_and_annotation(manual_dir, expected):
     annotator = Annotator(manual_dir / "database", SETTINGS, mutate_correct=True)
     mutated = annotator(records[6])
     assert mutated.source == "mutation" and mutated.tuples
-    assert {t.provenance for t in mutated.tuples} <= {f"mutation:{k}" for k in MUTATION_KINDS}
+    kinds = {f"{source}:{k}" for k in MUTATION_KINDS for source in ("mutation", "within")}
+    assert {t.provenance for t in mutated.tuples} <= kinds
     annotator.close()
     with Executor(manual_dir / "database" / DB / f"{DB}.sqlite") as executor:
         for tuples in expected:

@@ -1,5 +1,6 @@
 """The demo world against independent references: SQLite itself (schemas, results), sqlglot's parser
-(SQL constructs), and a token-level diff of gold and prediction (root clauses)."""
+(SQL constructs), a token-level diff of gold and prediction (root clauses), and the annotator's
+canonical localisation (root clauses of respelled predictions)."""
 import collections
 import functools
 import itertools
@@ -20,7 +21,8 @@ MISTAKE_KINDS = {"wrong_column", "wrong_join_key", "wrong_table", "wrong_operato
                  "wrong_literal", "missing_condition", "extra_condition", "wrong_aggregate", "wrong_group_by",
                  "wrong_having_threshold", "wrong_order_direction", "wrong_limit", "missing_distinct",
                  "missing_column"}
-SURFACE_KINDS = {"keyword_case", "neq_spelling", "table_aliases", "commuted_conjuncts", "commuted_join_condition"}
+SURFACE_KINDS = {"keyword_case", "neq_spelling", "table_aliases", "qualification", "commuted_conjuncts",
+                 "commuted_join_condition", "join_order"}
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +166,13 @@ def test_split_by_template_and_value(world):
     assert not {(e["db_id"], e["question"]) for e in train} & {(e["db_id"], e["question"]) for e in dev}
 
 
+def _same_rows(gold, pred, ordered):
+    """Exactly the same rows (as a list when ordered), columns in the same order."""
+    return pred == gold if ordered else sorted(map(repr, pred)) == sorted(map(repr, gold))
+
+
 def test_predictions_verified_by_sqlite(world):
-    counts = collections.Counter()
+    counts, respelled = collections.Counter(), collections.Counter()
     for split in ("train", "dev"):
         for p in _load(world, f"predictions_{split}.jsonl"):
             conn = _connect(world, p["db_id"])
@@ -173,18 +180,27 @@ def test_predictions_verified_by_sqlite(world):
             ordered = sqlglot.parse_one(p["gold"], read="sqlite").args.get("order") is not None
             pred = _rows(conn, p["pred"])
             counts[p["kind"]] += 1
+            assert set(p["surface"]) <= SURFACE_KINDS and len(set(p["surface"])) == len(p["surface"]) <= 3
             if p["kind"] == "exact":
-                assert p["pred"] == p["gold"] and p["true_root_clause"] is None
+                assert p["pred"] == p["gold"] == p["surface_gold"] and p["true_root_clause"] is None
+                assert p["surface"] == []
             elif p["kind"] == "surface":
                 assert p["pred"] != p["gold"] and p["true_root_clause"] is None
-                assert pred == gold if ordered else sorted(map(repr, pred)) == sorted(map(repr, gold))
-                assert p["error_kind"].split(":")[1] in SURFACE_KINDS
+                assert _same_rows(gold, pred, ordered)
+                assert [p["error_kind"].split(":")[1]] == p["surface"] and p["surface_gold"] == p["pred"]
             else:
                 assert not _equal(gold, pred, ordered), p
                 n_errors = 1 if p["kind"] == "error" else 2
                 assert len(p["errors"]) == n_errors and p["error_kind"] == "+".join(e["kind"] for e in p["errors"])
                 assert p["true_root_clause"] == p["errors"][0]["clause"]
+                # The gold in the prediction's spelling: another text, the same rows.
+                assert (p["surface_gold"] != p["gold"]) == bool(p["surface"]), p
+                assert _same_rows(gold, _rows(conn, p["surface_gold"]), ordered), p
+                assert not {"table_aliases", "qualification"} <= set(p["surface"])
+                respelled[bool(p["surface"])] += 1
     assert all(counts[k] > 0 for k in ("exact", "surface", "error", "double_error")), counts
+    # SURFACE_SHARE = 0.5 of the wrong predictions draw a respelling; a few admit none that verifies.
+    assert 0.4 <= respelled[True] / (respelled[True] + respelled[False]) <= 0.55, respelled
 
 
 _UNIT = {TokenType.SELECT: "SELECT", TokenType.FROM: "FROM", TokenType.WHERE: "WHERE",
@@ -205,12 +221,13 @@ def _clause_at(tokens, position):
 
 
 def test_root_clause_matches_first_textual_difference(world):
+    """Against the gold in the prediction's own spelling, the first difference is the root clause."""
     dialect = SQLite()
     checked = 0
     for p in _load(world, "predictions_train.jsonl") + _load(world, "predictions_dev.jsonl"):
         if p["kind"] not in ("error", "double_error"):
             continue
-        gold, pred = dialect.tokenize(p["gold"]), dialect.tokenize(p["pred"])
+        gold, pred = dialect.tokenize(p["surface_gold"]), dialect.tokenize(p["pred"])
         i = next(i for i, (a, b) in enumerate(itertools.zip_longest(gold, pred))
                  if a is None or b is None or (a.token_type, a.text) != (b.token_type, b.text))
         # A deletion shows in the gold's tokens, an insertion in the prediction's.
@@ -227,6 +244,32 @@ def test_catalogue_is_covered(world):
     assert set(kinds) == MISTAKE_KINDS, kinds
     surface = {p["error_kind"].split(":")[1] for p in predictions if p["kind"] == "surface"}
     assert surface == SURFACE_KINDS
+    respelled = {name for p in predictions if p["kind"] in ("error", "double_error") for name in p["surface"]}
+    assert respelled == SURFACE_KINDS
+
+
+def test_respelled_predictions_still_localise_to_their_root(world):
+    """The annotator's canonical localisation sees through the respelling: it blames the true root
+    clause, where the first textual difference from the gold often lies elsewhere."""
+    from caper_jax.sql.execution import Executor
+    from caper_jax.sql.localize import localize
+    from caper_jax.sql.schema import Schema
+
+    respelled = [p for p in _load(world, "predictions_dev.jsonl") if p["surface"] and p["true_root_clause"]]
+    assert len(respelled) >= 80
+    textual_misses = 0
+    for db_id in sorted({p["db_id"] for p in respelled}):
+        path = world / "database" / db_id / f"{db_id}.sqlite"
+        schema = Schema.from_sqlite(path)
+        with Executor(path) as executor:
+            for p in (p for p in respelled if p["db_id"] == db_id):
+                assert localize(p["gold"], p["pred"], executor, schema).root_clause == p["true_root_clause"], p
+                gold, pred = SQLite().tokenize(p["gold"]), SQLite().tokenize(p["pred"])
+                first = next(i for i, (a, b) in enumerate(itertools.zip_longest(gold, pred)) if a is None
+                             or b is None or (a.token_type, a.text.lower()) != (b.token_type, b.text.lower()))
+                textual_misses += _clause_at(pred, min(first, len(pred) - 1)) != p["true_root_clause"]
+    # Without the respelling the first (case-insensitive) difference would be the root clause.
+    assert textual_misses >= len(respelled) // 3, textual_misses
 
 
 def test_build_is_deterministic_and_seeded(tmp_path):
@@ -254,3 +297,18 @@ def test_bad_arguments_raise(tmp_path):
         build_demo_world(tmp_path, train_size=0)
     with pytest.raises(ValueError, match="prediction mix"):
         build_demo_world(tmp_path, train_size=20, dev_size=10, prediction_mix={"wrong": 1.0})
+    with pytest.raises(ValueError, match="surface_share"):
+        build_demo_world(tmp_path, train_size=20, dev_size=10, surface_share=1.5)
+
+
+def test_surface_share_zero_gives_plain_wrong_predictions(tmp_path):
+    plain = build_demo_world(tmp_path / "plain", seed=0, train_size=60, dev_size=20, surface_share=0.0)
+    every = build_demo_world(tmp_path / "every", seed=0, train_size=60, dev_size=20, surface_share=1.0)
+    plain_p, every_p = _load(plain, "predictions_train.jsonl"), _load(every, "predictions_train.jsonl")
+    wrong = [i for i, p in enumerate(plain_p) if p["kind"] in ("error", "double_error")]
+    assert wrong and all(plain_p[i]["surface"] == [] and plain_p[i]["surface_gold"] == plain_p[i]["gold"]
+                         for i in wrong)
+    # The share decides the respelling only: the same mistakes in the same places.
+    assert [(every_p[i]["error_kind"], every_p[i]["true_root_clause"]) for i in wrong] == \
+        [(plain_p[i]["error_kind"], plain_p[i]["true_root_clause"]) for i in wrong]
+    assert sum(bool(every_p[i]["surface"]) for i in wrong) >= 0.8 * len(wrong)
