@@ -1,0 +1,124 @@
+"""Multi-process setup: distributed init from the environment, host-local → global batches, logging.
+
+One code path for 1 process and N processes. Every process reads its own slice of the data (the
+Grain pipeline shards by ``jax.process_index()``), and ``host_local_to_global`` stitches those
+slices into one global ``jax.Array`` without any process ever holding the whole batch.
+
+When ``initialize`` talks to a coordinator (checked in this order):
+  * ``JAX_COORDINATOR_ADDRESS`` + ``JAX_NUM_PROCESSES`` + ``JAX_PROCESS_ID`` set → explicit
+    (local runs, tests with 2 CPU processes, any launcher that exports them);
+  * ``CAPER_DISTRIBUTED=auto`` → ``jax.distributed.initialize()`` with JAX's own cluster detection
+    (Cloud TPU VM pods, SLURM, Kubernetes);
+  * otherwise single-process: nothing to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from caper_jax.parallel.rules import DEFAULT_RULES, LogicalRules, logical_to_spec
+
+_log = logging.getLogger("caper_jax")
+
+
+def initialize(env: Mapping[str, str] | None = None) -> bool:
+    """Starts jax.distributed when the environment asks for it; returns True if it did (or had)."""
+    env = os.environ if env is None else env
+    if jax.distributed.is_initialized():
+        return True
+    address = env.get("JAX_COORDINATOR_ADDRESS")
+    if address and "JAX_NUM_PROCESSES" in env:
+        try:
+            num_processes = int(env["JAX_NUM_PROCESSES"])
+            process_id = int(env["JAX_PROCESS_ID"])
+        except (KeyError, ValueError) as err:
+            raise ValueError(
+                "JAX_NUM_PROCESSES and JAX_PROCESS_ID must both be set to integers with JAX_COORDINATOR_ADDRESS"
+            ) from err
+        jax.distributed.initialize(address, num_processes=num_processes, process_id=process_id)
+        return True
+    mode = env.get("CAPER_DISTRIBUTED", "").lower()
+    if mode == "auto":
+        jax.distributed.initialize()
+        return True
+    if mode not in ("", "0", "off", "none"):
+        raise ValueError(f"CAPER_DISTRIBUTED={mode!r}: expected 'auto' or unset")
+    return False
+
+
+def is_main_process() -> bool:
+    return jax.process_index() == 0
+
+
+@contextlib.contextmanager
+def main_process_first(name: str) -> Iterator[None]:
+    """Runs the block on process 0 first, then on every other process.
+
+    For work whose result lands on disk and is reused when present (the demo world, annotated
+    tuples): process 0 builds it once; on a shared file system the others then find it, on
+    host-local disks each host builds its own copy, and no two processes ever write the same
+    file at the same time. The barrier is a device collective, so every process must enter.
+    """
+    if jax.process_count() == 1:
+        yield
+        return
+    from jax.experimental import multihost_utils
+
+    if not is_main_process():
+        multihost_utils.sync_global_devices(f"main_process_first:{name}")
+    yield
+    if is_main_process():
+        multihost_utils.sync_global_devices(f"main_process_first:{name}")
+
+
+def log_main(msg: str, *args: Any, level: int = logging.INFO) -> None:
+    """Logs on process 0 only (every process computes the same metrics; print them once)."""
+    if is_main_process():
+        _log.log(level, msg, *args)
+
+
+def batch_sharding(
+    mesh: Mesh, ndim: int, rules: LogicalRules = DEFAULT_RULES, batch_axis: str = "batch"
+) -> NamedSharding:
+    """Sharding of a [batch, ...] array: leading dim by the ``batch`` rule, the rest replicated."""
+    spec = logical_to_spec((batch_axis,) + (None,) * (ndim - 1), rules, mesh=mesh)
+    return NamedSharding(mesh, spec)
+
+
+def host_local_to_global(
+    batch: Any, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES, batch_axis: str = "batch"
+) -> Any:
+    """Turns each process's slice of a batch (pytree of numpy arrays) into global jax.Arrays.
+
+    Process ``p`` passes rows ``[p * n_local, (p + 1) * n_local)`` of the global batch; the global
+    leading dim is ``n_local * jax.process_count()``. The per-process row count must be divisible
+    by the number of batch shards living on that process.
+    """
+
+    def to_global(x: Any) -> jax.Array:
+        x = np.asarray(x)
+        if x.ndim == 0:
+            raise ValueError("host_local_to_global needs arrays with a leading batch dimension")
+        sharding = batch_sharding(mesh, x.ndim, rules, batch_axis)
+        global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
+        return jax.make_array_from_process_local_data(sharding, x, global_shape)
+
+    return jax.tree.map(to_global, batch)
+
+
+def process_slice(global_batch_size: int) -> slice:
+    """Rows of the global batch that this process feeds (contiguous, equal per process)."""
+    count = jax.process_count()
+    if global_batch_size % count:
+        raise ValueError(f"global batch {global_batch_size} not divisible by {count} processes")
+    per_process = global_batch_size // count
+    start = jax.process_index() * per_process
+    return slice(start, start + per_process)
