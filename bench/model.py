@@ -1,0 +1,199 @@
+"""caper_jax vs transformers (PyTorch) on CPU: LM train step and greedy decoding, same weights.
+
+One process, one run, so every figure shares the machine state. The model is the ~58M-parameter
+Qwen3.5-architecture config of ENV.md (hidden 512, 8 layers = 2 groups of 3 DeltaNet + 1 attention,
+attention 8 q / 2 kv heads of 64, DeltaNet 4 qk / 8 v heads of 64, MLP 1408, vocab 32000), fp32.
+transformers builds it with random weights, saves it, and caper_jax loads that checkpoint via
+``from_hf``, so both sides compute the same function (the script prints the loss difference and the
+greedy-token agreement as a check).
+
+  * train: forward + backward of the mean next-token cross-entropy on a 4 × 512 batch (no optimizer
+    update on either side); median wall time of ``--repeats`` runs after one warm-up (JAX: compile),
+    JAX and PyTorch runs alternating so that both see the same background load (the 2-core machine
+    is shared); process CPU seconds are printed too.
+  * decode: greedy, batch 8, 64-token prompts, exactly ``--new_tokens`` new tokens (no stop token);
+    new tokens per second.
+  * roofline: an fp32 GEMM timed with both libraries; the faster rate bounds any fp32 step, and
+    the train step's matmul FLOPs (counted on its jaxpr) divided by it is the step's floor.
+
+    python bench/model.py            # about 2-3 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from caper_jax.models import Qwen35Config, from_hf  # noqa: E402
+from caper_jax.models.sampler import SamplingConfig, generate  # noqa: E402
+from caper_jax.parallel.dry_run import jaxpr_matmul_flops  # noqa: E402
+
+BENCH_CONFIG = dict(
+    vocab_size=32_000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+    num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+    linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+    max_position_embeddings=4096,
+)
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def interleaved(jax_fn: Callable[[], object], torch_fn: Callable[[], object], repeats: int) -> dict[str, float]:
+    """Median wall and process-CPU seconds of each, alternating runs so both see the same load."""
+    samples: dict[str, list[float]] = {"jax_s": [], "torch_s": [], "jax_cpu_s": [], "torch_cpu_s": []}
+    for _ in range(repeats):
+        for name, fn in (("jax", jax_fn), ("torch", torch_fn)):
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            samples[f"{name}_s"].append(time.perf_counter() - wall)
+            samples[f"{name}_cpu_s"].append(time.process_time() - cpu)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def gemm_rate(n: int, repeats: int) -> dict[str, float]:
+    """fp32 GFLOP/s of an n×n×n matmul in JAX and in PyTorch."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+    matmul(a, a).block_until_ready()
+    jax_s = median_time(lambda: matmul(a, a).block_until_ready(), repeats)
+    t = torch.randn(n, n)
+    torch.matmul(t, t)
+    torch_s = median_time(lambda: torch.matmul(t, t), repeats)
+    flops = 2.0 * n**3
+    return {"jax": flops / jax_s / 1e9, "torch": flops / torch_s / 1e9}
+
+
+def build_models(tmp: str, seed: int):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen35Config(**BENCH_CONFIG)
+    torch.manual_seed(seed)
+    hf_config = Qwen3_5TextConfig(**config.to_hf_dict())
+    torch_model = Qwen3_5ForCausalLM(hf_config).eval()
+    torch_model.save_pretrained(tmp)
+    jax_model, _ = from_hf(tmp, dtype="float32")
+    return torch_model, jax_model
+
+
+def bench_train(torch_model, jax_model, ids: np.ndarray, repeats: int) -> dict[str, float]:
+    graphdef, state = nnx.split(jax_model)
+
+    def loss_fn(state, ids):
+        logits = nnx.merge(graphdef, state)(ids)
+        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
+
+    step = jax.jit(jax.value_and_grad(loss_fn))
+    ids_jax = jnp.asarray(ids)
+    start = time.perf_counter()
+    jax_loss, _ = jax.block_until_ready(step(state, ids_jax))
+    compile_s = time.perf_counter() - start
+    flops = jaxpr_matmul_flops(step.trace(state, ids_jax).jaxpr.jaxpr)
+
+    torch_model.train()
+    ids_torch = torch.from_numpy(ids).long()
+
+    def torch_step() -> float:
+        torch_model.zero_grad(set_to_none=True)
+        loss = torch_model(input_ids=ids_torch, labels=ids_torch).loss
+        loss.backward()
+        return float(loss.detach())
+
+    torch_loss = torch_step()
+    times = interleaved(lambda: jax.block_until_ready(step(state, ids_jax)), torch_step, repeats)
+    torch_model.eval()
+    return {**times, "jax_compile_s": compile_s, "matmul_flops": flops, "loss_diff": abs(float(jax_loss) - torch_loss)}
+
+
+def bench_decode(torch_model, jax_model, prompts: np.ndarray, new_tokens: int, repeats: int) -> dict[str, float]:
+    mask = np.ones_like(prompts)
+    config = SamplingConfig(max_new_tokens=new_tokens, temperature=0.0)
+    ids_jax, mask_jax = jnp.asarray(prompts), jnp.asarray(mask)
+
+    def jax_generate():
+        return jax.block_until_ready(generate(jax_model, ids_jax, mask_jax, jax.random.key(0), config))
+
+    start = time.perf_counter()
+    jax_out = jax_generate()
+    compile_s = time.perf_counter() - start
+
+    ids_torch = torch.from_numpy(prompts).long()
+    mask_torch = torch.from_numpy(mask).long()
+
+    @torch.no_grad()
+    def torch_generate():
+        return torch_model.generate(
+            input_ids=ids_torch, attention_mask=mask_torch, max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+        )
+
+    torch_out = torch_generate()
+    times = interleaved(jax_generate, torch_generate, repeats)
+    generated = prompts.shape[0] * new_tokens
+    agree = float(np.mean(np.asarray(jax_out.tokens) == torch_out[:, prompts.shape[1]:].numpy()))
+    return {
+        **times, "jax_tok_s": generated / times["jax_s"], "torch_tok_s": generated / times["torch_s"],
+        "jax_compile_s": compile_s, "token_agreement": agree,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new_tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+
+    load_before = os.getloadavg()[0]
+    rates = gemm_rate(2048, 5)
+    with tempfile.TemporaryDirectory() as tmp:
+        torch_model, jax_model = build_models(tmp, seed=0)
+    n_params = sum(p.numel() for p in torch_model.parameters())
+    train_ids = rng.integers(0, BENCH_CONFIG["vocab_size"], (4, 512), dtype=np.int32)
+    train = bench_train(torch_model, jax_model, train_ids, args.repeats)
+    prompts = rng.integers(1, BENCH_CONFIG["vocab_size"], (8, 64), dtype=np.int32)
+    decode = bench_decode(torch_model, jax_model, prompts, args.new_tokens, args.repeats)
+
+    peak = max(rates.values())
+    floor_s = train["matmul_flops"] / (peak * 1e9)
+    print(f"jax {jax.__version__} / torch {torch.__version__}, {args.threads} threads, "
+          f"{os.cpu_count()} CPUs, {n_params / 1e6:.1f}M params, fp32; "
+          f"load average at start {load_before:.1f}, at end {os.getloadavg()[0]:.1f}")
+    print(f"fp32 GEMM 2048^3: jax {rates['jax']:.0f} GFLOP/s, torch {rates['torch']:.0f} GFLOP/s")
+    print(f"train 4x512 fwd+bwd: jax {train['jax_s']:.3f} s, torch {train['torch_s']:.3f} s, "
+          f"ratio jax/torch {train['jax_s'] / train['torch_s']:.2f} (target <= 0.6); process CPU s: "
+          f"jax {train['jax_cpu_s']:.2f}, torch {train['torch_cpu_s']:.2f}; "
+          f"jax compile {train['jax_compile_s']:.1f} s; |loss diff| {train['loss_diff']:.2e}")
+    print(f"train roofline: {train['matmul_flops'] / 1e9:.1f} GFLOP matmul -> floor {floor_s:.3f} s at "
+          f"{peak:.0f} GFLOP/s; jax at {floor_s / train['jax_s']:.0%} of it, torch at {floor_s / train['torch_s']:.0%}")
+    print(f"greedy decode 8x{args.new_tokens}: jax {decode['jax_tok_s']:.0f} tok/s, torch "
+          f"{decode['torch_tok_s']:.0f} tok/s, ratio {decode['jax_tok_s'] / decode['torch_tok_s']:.2f} "
+          f"(target >= 3); process CPU s: jax {decode['jax_cpu_s']:.2f}, torch {decode['torch_cpu_s']:.2f}; "
+          f"jax compile {decode['jax_compile_s']:.1f} s; greedy token agreement "
+          f"{decode['token_agreement']:.1%}")
+
+
+if __name__ == "__main__":
+    main()
