@@ -1,0 +1,238 @@
+"""Rollouts: sample completions, turn them into text, clause token ends and execution rewards.
+
+Device work is the sampler (one jitted prefill + one jitted decode loop, ``caper_jax.models.sampler``,
+reached only through ``sample``) and, in the trainer, one batched PRM forward. Everything here after
+sampling is host-side Python on small arrays:
+
+* **Text and offsets of the SAMPLED tokens.** The completion is decoded once. Clause ends must index
+  the tokens the policy actually emitted (their log-probs are what GRPO trains), so character offsets
+  are those of the sampled ids: when re-tokenising the text gives back exactly those ids (the usual
+  case), the tokenizer's own ``offset_mapping`` is used; otherwise (a non-canonical token sequence)
+  each token's end is the length of the decoded prefix up to it, and a token that completes no
+  character yet (part of a multi-byte character) gets an empty span, so a clause ending in that
+  character maps to the token that completes it.
+* **Clause ends**: ``split_clauses`` character spans -> ``spans_to_token_ends`` over those offsets, in
+  completion coordinates (token 0 = first generated token).
+* **Execution reward**: the completion runs sandboxed (read-only, authoriser, timeout, row cap) and is
+  compared with the gold result (Spider semantics: ordered iff the gold has ORDER BY). Correct ->
+  ``correct_reward``, wrong result -> ``wrong_reward``, error / empty / unparseable -> ``failure_reward``.
+  Garbage never raises: it is a failed sample with one unit (``layout_rewards``' fallback).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from caper_jax.models.sampler import SampleOutput, SamplingConfig, generate
+from caper_jax.rl.rewards import pad_clause_ends, spans_to_token_ends
+from caper_jax.sql.clauses import SqlParseError, split_clauses
+from caper_jax.sql.execution import ExecResult, Executors, order_matters, results_equal
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    correct_reward: float = 1.0
+    wrong_reward: float = 0.0
+    failure_reward: float = 0.0      # execution error, empty or unparseable SQL
+    semantics: str = "spider"        # results_equal semantics: "spider" | "bird"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoredCompletion:
+    text: str
+    clause_ends: np.ndarray   # int32 [k], token index (completion coordinates) of each clause's last token
+    parse_ok: bool            # split_clauses accepted the text
+    executed: bool            # SQLite ran it without error
+    correct: bool             # result equals the gold result
+    reward: float             # execution reward (RewardConfig)
+
+
+def fetch(x) -> np.ndarray:
+    """A (possibly multi-host sharded) array as numpy on every host."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def sample(model, prompt_ids: jax.Array, prompt_mask: jax.Array, key: jax.Array,
+           config: SamplingConfig) -> SampleOutput:
+    """The one entry point to the sampler (tokens, lengths incl. the stop token, tempered log-probs)."""
+    return generate(model, prompt_ids, prompt_mask, key, config)
+
+
+def completion_tokens(tokens: np.ndarray, length: int, stop_tokens: Sequence[int]) -> list[int]:
+    """The generated ids that form the SQL: up to ``length``, without a final stop token."""
+    ids = [int(t) for t in tokens[:length]]
+    if ids and ids[-1] in stop_tokens:
+        ids.pop()
+    return ids
+
+
+def decode_with_offsets(tokenizer, ids: Sequence[int]) -> tuple[str, np.ndarray]:
+    """Decoded text of ``ids`` and ``[n, 2]`` character offsets of each of THESE tokens in it."""
+    ids = [int(i) for i in ids]
+    text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    if not ids:
+        return text, np.zeros((0, 2), np.int64)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(encoded["input_ids"]) == ids:
+        return text, np.asarray(encoded["offset_mapping"], np.int64).reshape(-1, 2)
+    prefixes = tokenizer.batch_decode([ids[: i + 1] for i in range(len(ids))], skip_special_tokens=False,
+                                      clean_up_tokenization_spaces=False)
+    ends, end = [], 0
+    for prefix in prefixes:
+        if text.startswith(prefix):  # else the prefix ends inside a multi-byte character
+            end = max(end, len(prefix))
+        ends.append(end)
+    starts = [0] + ends[:-1]
+    return text, np.stack([starts, ends], axis=1).astype(np.int64)
+
+
+def clause_token_ends(text: str, offsets: np.ndarray) -> tuple[np.ndarray, bool]:
+    """(token index of each top-level clause's last token, whether the text parsed into clauses)."""
+    if not text.strip():
+        return np.zeros(0, np.int32), False
+    try:
+        units = split_clauses(text)
+    except SqlParseError:
+        return np.zeros(0, np.int32), False
+    if not units:
+        return np.zeros(0, np.int32), False
+    try:
+        return spans_to_token_ends(units, offsets), True
+    except ValueError:  # spans the offsets cannot place (e.g. no non-empty token): treat as unparsed
+        return np.zeros(0, np.int32), False
+
+
+def execution_reward(executors: Executors, db_id: str, gold_sql: str, gold: ExecResult, sql: str,
+                     config: RewardConfig) -> tuple[float, bool, bool]:
+    """(reward, executed, correct) of ``sql`` against the gold result; never raises on bad SQL."""
+    result = executors.execute(db_id, sql)
+    if not result.ok:
+        return config.failure_reward, False, False
+    correct = results_equal(gold, result, semantics=config.semantics, ordered=order_matters(gold_sql))
+    return (config.correct_reward if correct else config.wrong_reward), True, correct
+
+
+def score_completion(tokenizer, executors: Executors, ids: Sequence[int], db_id: str, gold_sql: str,
+                     gold: ExecResult, config: RewardConfig) -> ScoredCompletion:
+    text, offsets = decode_with_offsets(tokenizer, ids)
+    ends, parse_ok = clause_token_ends(text, offsets)
+    if not text.strip():
+        reward, executed, correct = config.failure_reward, False, False
+    else:
+        reward, executed, correct = execution_reward(executors, db_id, gold_sql, gold, text, config)
+    if not parse_ok:  # sqlglot refused it: whatever SQLite made of it, it is a format failure
+        reward = config.failure_reward
+    return ScoredCompletion(text, ends, parse_ok, executed, correct, float(reward))
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """One rollout, host-side numpy, rows = prompts x group (consecutive rows share a prompt)."""
+
+    input_ids: np.ndarray        # int32 [B, P + N]: left-padded prompt, then completion (pad after stop)
+    attention_mask: np.ndarray   # int32 [B, P + N]
+    completion_mask: np.ndarray  # int32 [B, N]: generated tokens, stop token included
+    old_logp: np.ndarray         # float32 [B, N]: sampler log-probs (tempered), 0 off the mask
+    clause_ends: np.ndarray      # int32 [B, K]: completion coordinates, -1 padded
+    exec_rewards: np.ndarray     # float32 [B]
+    parse_ok: np.ndarray         # bool [B]
+    executed: np.ndarray         # bool [B]
+    correct: np.ndarray          # bool [B]
+    texts: list[str]
+
+    @property
+    def prompt_len(self) -> int:
+        return self.input_ids.shape[1] - self.completion_mask.shape[1]
+
+
+def assemble_rollout(prompt_ids: np.ndarray, prompt_mask: np.ndarray, output: SampleOutput, tokenizer,
+                     executors: Executors, db_ids: Sequence[str], gold_sqls: Sequence[str],
+                     golds: Sequence[ExecResult], stop_tokens: Sequence[int], reward: RewardConfig,
+                     clause_multiple: int = 8) -> RolloutBatch:
+    """Host side of a rollout: decode, split into clauses, execute. Row ``b`` answers ``db_ids[b]``."""
+    tokens, lengths = fetch(output.tokens), fetch(output.lengths)
+    log_probs = fetch(output.log_probs).astype(np.float32)
+    batch, new = tokens.shape
+    completion_mask = (np.arange(new)[None, :] < lengths[:, None]).astype(np.int32)
+    scored = [score_completion(tokenizer, executors, completion_tokens(tokens[b], lengths[b], stop_tokens),
+                               db_ids[b], gold_sqls[b], golds[b], reward) for b in range(batch)]
+    most = max([len(s.clause_ends) for s in scored] + [1])
+    clause_ends = pad_clause_ends([s.clause_ends for s in scored], -(-most // clause_multiple) * clause_multiple)
+    return RolloutBatch(
+        input_ids=np.concatenate([np.asarray(prompt_ids, np.int32), tokens.astype(np.int32)], axis=1),
+        attention_mask=np.concatenate([np.asarray(prompt_mask, np.int32), completion_mask], axis=1),
+        completion_mask=completion_mask,
+        old_logp=np.where(completion_mask > 0, log_probs, 0.0).astype(np.float32),
+        clause_ends=clause_ends,
+        exec_rewards=np.asarray([s.reward for s in scored], np.float32),
+        parse_ok=np.asarray([s.parse_ok for s in scored]),
+        executed=np.asarray([s.executed for s in scored]),
+        correct=np.asarray([s.correct for s in scored]),
+        texts=[s.text for s in scored],
+    )
+
+
+def completion_scores(token_scores: jax.Array, prompt_len: int) -> jax.Array:
+    """PRM scores ``[B, P + N]`` of a whole sequence -> the completion's ``[B, N]``."""
+    return token_scores[:, prompt_len:]
+
+
+def greedy_predictions(model, tokenizer, prompts: Sequence[str], *, max_prompt_len: int, max_new_tokens: int,
+                       stop_tokens: Sequence[int], batch_size: int) -> list[str]:
+    """Greedy SQL for each prompt (batched, left-padded; the last batch is padded to ``batch_size`` so
+    every call reuses one compiled program)."""
+    from caper_jax.sft.data import prompt_batch
+
+    config = SamplingConfig(max_new_tokens, temperature=0.0, stop_tokens=tuple(stop_tokens),
+                            pad_id=int(getattr(tokenizer, "pad_token_id", None) or 0))
+    texts: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = list(prompts[start: start + batch_size])
+        real = len(chunk)
+        chunk += [chunk[-1]] * (batch_size - real)
+        ids, mask = prompt_batch(chunk, tokenizer, max_prompt_len, multiple=max_prompt_len)
+        out = sample(model, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0), config)
+        tokens, lengths = fetch(out.tokens), fetch(out.lengths)
+        for b in range(real):
+            texts.append(decode_with_offsets(tokenizer, completion_tokens(tokens[b], lengths[b], stop_tokens))[0])
+    return texts
+
+
+def greedy_ex(model, tokenizer, examples, executors: Executors, *, max_prompt_len: int, max_new_tokens: int,
+              stop_tokens: Sequence[int], batch_size: int, semantics: str = "spider") -> tuple[dict, list[dict]]:
+    """Execution accuracy of greedy decoding on ``examples`` (``SftExample``s); (summary, per-example rows).
+
+    Examples whose gold SQL fails to execute are excluded and counted under ``excluded``.
+    """
+    from caper_jax.data.prompts import policy_prompt
+
+    usable, excluded = [], 0
+    for ex in examples:
+        gold = executors.execute(ex.db_id, ex.sql)
+        if gold.ok:
+            usable.append((ex, gold))
+        else:
+            excluded += 1
+    prompts = [policy_prompt(ex.question, ex.schema, ex.evidence) for ex, _ in usable]
+    preds = greedy_predictions(model, tokenizer, prompts, max_prompt_len=max_prompt_len,
+                               max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, batch_size=batch_size)
+    reward = RewardConfig(semantics=semantics)
+    rows = []
+    for (ex, gold), pred in zip(usable, preds):
+        _, executed, correct = execution_reward(executors, ex.db_id, ex.sql, gold, pred, reward) \
+            if pred.strip() else (0.0, False, False)
+        rows.append({"db_id": ex.db_id, "question": ex.question, "gold": ex.sql, "pred": pred,
+                     "executed": executed, "correct": correct})
+    n = len(rows)
+    summary = {"ex": sum(r["correct"] for r in rows) / n if n else 0.0,
+               "executable": sum(r["executed"] for r in rows) / n if n else 0.0,
+               "n": n, "excluded": excluded}
+    return summary, rows

@@ -1,0 +1,544 @@
+"""GRPO training of the text-to-SQL policy with clause-level process rewards (CAPER stage 3).
+
+One step, top to bottom:
+
+  prompts (Grain, checkpointed) --x G--> sampler (jitted prefill + decode loop, temperature / top-p,
+  stop at END_OF_SQL or eos) --> host: decode, split_clauses, clause token ends, sandboxed execution
+  vs gold --> device: frozen Clause-PRM per-token scores in ONE forward over prompt + completion
+  (skipped for ``sparse``), frozen reference log-probs (skipped when beta = 0) --> ``layout_rewards``
+  (variant) --> ``clause_advantages`` --> ``update_epochs`` x minibatches of the jitted, state-donating
+  ``grpo_loss`` update --> metrics, checkpoint (policy state + prompt-iterator position).
+
+``reward.variant`` in {sparse, token, clause} only changes the layout: one code path for CAPER and both
+baselines. Old log-probs are the sampler's (tempered, unfiltered: the quantity ``token_logprobs``
+recomputes), so no extra forward is spent on them. The policy starts from an SFT run's orbax checkpoint
+(``policy.sft_workdir``), an HF directory (``model.hf_dir``) or a random preset (tests, smoke runs);
+the reference is that same starting point, rebuilt on resume. The PRM comes from a PRM run's orbax
+checkpoint (``prm.workdir``, ``prm.ckpt``). All hosts run the same rollout on the full (small)
+prompt batch; device arrays are global, host-side scoring is repeated per host (cheap, deterministic).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import pathlib
+import time
+from typing import Callable
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from ml_collections import ConfigDict
+
+from caper_jax import checkpoint as ckpt_lib
+from caper_jax.models.sampler import SamplingConfig
+from caper_jax.parallel import mesh as mesh_lib
+from caper_jax.parallel import multihost
+from caper_jax.parallel import rules as rules_lib
+from caper_jax.prm.step import TrainState, init_state, learning_rate, make_optimizer
+from caper_jax.rl import rollout as rollout_lib
+from caper_jax.rl.advantages import clause_advantages
+from caper_jax.rl.losses import AGGREGATIONS, grpo_loss
+from caper_jax.rl.rewards import VARIANTS, layout_rewards
+from caper_jax.sft import data as data_lib
+from caper_jax.sft.trainer import build_policy, cached_program, create_state, frozen, sequence_logprobs
+from caper_jax.utils.monitoring import MetricWriter, Progress, plot_curves, read_metrics
+
+log = logging.getLogger("caper_jax")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The run kept producing non-finite losses or gradients."""
+
+
+class RunLoadError(ValueError):
+    """A policy or PRM run directory cannot be loaded."""
+
+
+# -- loading frozen / initial weights from other runs
+
+
+def saved_config(run_dir: pathlib.Path, step: int) -> ConfigDict:
+    import orbax.checkpoint as ocp
+
+    manager = ocp.CheckpointManager(run_dir / "checkpoints")
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    finally:
+        manager.close()
+    return ConfigDict(restored["config"])
+
+
+def restore_run_params(run_dir: str | pathlib.Path, step: int, build: Callable[[ConfigDict], nnx.Module],
+                       mesh, rules) -> tuple[nnx.Module, int]:
+    """The params of another run's orbax checkpoint (newest verified one when ``step`` is 0), merged
+    into the module ``build(saved config)`` describes. Returns (module, step)."""
+    run_dir = pathlib.Path(run_dir)
+    checkpointer = ckpt_lib.Checkpointer(run_dir / "checkpoints", max_to_keep=None)
+    try:
+        steps = checkpointer.all_steps()
+        if not steps:
+            raise RunLoadError(f"{run_dir / 'checkpoints'} holds no checkpoint")
+        if step == 0:
+            step = next((s for s in reversed(steps) if checkpointer.verify(s) is None), -1)
+            if step < 0:
+                raise RunLoadError(f"no checkpoint in {run_dir / 'checkpoints'} verifies")
+        elif step not in steps:
+            raise RunLoadError(f"{run_dir / 'checkpoints'} has no step {step}; it has {steps}")
+        elif (problem := checkpointer.verify(step)) is not None:
+            raise RunLoadError(f"{run_dir / 'checkpoints'}/{step}: {problem}")
+        cfg = saved_config(run_dir, step)
+        graphdef, abstract_params = rules_lib.abstract_state(lambda: build(cfg), mesh, rules)
+        tx = make_optimizer(cfg.optim)
+        abstract = jax.eval_shape(lambda p: init_state(p, tx), abstract_params)
+        shardings = rules_lib.logical_to_sharding(abstract, mesh, rules)
+        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+        state = checkpointer.restore(step, abstract).state
+    finally:
+        checkpointer.close()
+    return nnx.merge(graphdef, state.params), step
+
+
+def _runtime(model_cfg) -> dict:
+    return dict(dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype, remat=model_cfg.remat)
+
+
+def _check_vocab(what: str, model_vocab: int, tokenizer_size: int) -> None:
+    if model_vocab < tokenizer_size:
+        raise RunLoadError(f"{what}: vocabulary {model_vocab} < tokenizer size {tokenizer_size}; the run was "
+                           "trained with another tokenizer")
+
+
+def load_policy(config, vocab_size: int, mesh, rules):
+    """The starting policy: an SFT run's checkpoint, an HF directory or a random preset."""
+    from caper_jax.models import Qwen35ForCausalLM
+    from caper_jax.models.presets import model_preset
+
+    if config.policy.sft_workdir:
+        def build(cfg):
+            if cfg.model.hf_dir:
+                from caper_jax.models.hf_io import read_config
+
+                arch = read_config(cfg.model.hf_dir, **_runtime(config.model))
+            else:
+                arch = model_preset(cfg.model.preset, vocab_size=vocab_size, **_runtime(config.model))
+            return Qwen35ForCausalLM(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules)
+
+        policy, step = restore_run_params(config.policy.sft_workdir, config.policy.ckpt, build, mesh, rules)
+        multihost.log_main("policy: %s step %d", config.policy.sft_workdir, step)
+    else:
+        policy = build_policy(config.model, vocab_size, config.seed, mesh, rules)
+        multihost.log_main("policy: %s", config.model.hf_dir or f"random {config.model.preset}")
+    _check_vocab("policy", policy.config.vocab_size, vocab_size)
+    return policy
+
+
+def load_prm(config, vocab_size: int, mesh, rules):
+    """The frozen Clause-PRM of a PRM run (``prm.workdir``), in this run's compute dtype."""
+    from caper_jax.models.presets import model_preset
+    from caper_jax.prm.model import ClausePRM
+
+    if not config.prm.workdir:
+        raise RunLoadError(f"reward.variant={config.reward.variant!r} needs a Clause-PRM: set "
+                           "--config.prm.workdir=<PRM trainer workdir>")
+
+    def build(cfg):
+        runtime = dict(_runtime(cfg.model), dtype=config.model.dtype, remat="none")
+        if cfg.model.hf_dir:
+            from caper_jax.models.hf_io import read_config
+
+            arch = read_config(cfg.model.hf_dir, **runtime)
+        else:
+            arch = model_preset(cfg.model.preset, vocab_size=vocab_size, **runtime)
+        return ClausePRM(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules)
+
+    prm, step = restore_run_params(config.prm.workdir, config.prm.ckpt, build, mesh, rules)
+    _check_vocab("PRM", prm.config.vocab_size, vocab_size)
+    multihost.log_main("Clause-PRM: %s step %d", config.prm.workdir, step)
+    return prm
+
+
+# -- jitted pieces
+
+
+def completion_logprobs(params, input_ids, attention_mask, *, graphdef, completion_len: int,
+                        temperature: float, chunk_size: int, return_entropy: bool = False):
+    """Log-probs ``[B, N]`` of the last ``completion_len`` tokens under the (tempered) policy."""
+    start = input_ids.shape[1] - completion_len - 1
+    return sequence_logprobs(nnx.merge(graphdef, params), input_ids, attention_mask, start=start,
+                             temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy)
+
+
+def update_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientTransformation, beta: float,
+                agg: str, eps_low: float, eps_high: float, temperature: float, chunk_size: int
+                ) -> tuple[TrainState, dict]:
+    """One GRPO optimizer step on a minibatch; refuses (keeps the state) on a non-finite loss/gradient."""
+    completion_len = batch["completion_mask"].shape[1]
+
+    def loss_fn(params):
+        logp, entropy = completion_logprobs(params, batch["input_ids"], batch["attention_mask"], graphdef=graphdef,
+                                            completion_len=completion_len, temperature=temperature,
+                                            chunk_size=chunk_size, return_entropy=True)
+        return grpo_loss(logp, batch["old_logp"], batch.get("ref_logp"), batch["advantages"],
+                         batch["completion_mask"], eps_low=eps_low, eps_high=eps_high, beta=beta, agg=agg,
+                         entropy=entropy)
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+    new_state = TrainState(step=state.step, params=keep(params, state.params),
+                           opt_state=keep(opt_state, state.opt_state),
+                           nonfinite=jnp.where(finite, 0, state.nonfinite + 1))
+    metrics = {"loss": loss, "grad_norm": grad_norm, "refused": 1.0 - finite.astype(jnp.float32), **metrics}
+    return new_state, metrics
+
+
+def jit_update(graphdef, tx, config, state_sharding=None):
+    """The jitted update for ``config`` (state donated), cached per process (``sft.trainer.cached_program``)."""
+    def build():
+        return jax.jit(functools.partial(
+            update_step, graphdef=graphdef, tx=tx, beta=float(config.rl.beta), agg=config.rl.agg,
+            eps_low=float(config.rl.eps_low), eps_high=float(config.rl.eps_high),
+            temperature=float(config.sampling.temperature), chunk_size=config.chunk_size),
+            donate_argnums=0, out_shardings=None if state_sharding is None else (state_sharding, None))
+    shardings = None if state_sharding is None else tuple(jax.tree.leaves(state_sharding))
+    key = ("grpo", graphdef, frozen(config.optim), frozen(config.rl), float(config.sampling.temperature),
+           int(config.chunk_size), shardings)
+    return cached_program(key, build)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "completion_len", "temperature", "chunk_size"))
+def jit_completion_logprobs(params, input_ids, attention_mask, *, graphdef, completion_len: int,
+                            temperature: float, chunk_size: int):
+    """Jitted ``completion_logprobs`` (reference policy), compiled once per process and shape."""
+    return completion_logprobs(params, input_ids, attention_mask, graphdef=graphdef, completion_len=completion_len,
+                               temperature=temperature, chunk_size=chunk_size)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def prm_token_scores(params, input_ids, attention_mask, *, graphdef):
+    """The frozen Clause-PRM's ``[B, T]`` per-prefix scores in one forward."""
+    return nnx.merge(graphdef, params).token_scores(input_ids, attention_mask)
+
+
+@functools.partial(jax.jit, static_argnames=("variant", "group_size", "scale_by_std"))
+def advantages_from_rewards(prm_scores, clause_ends, exec_rewards, completion_mask, parse_ok, *, variant: str,
+                            group_size: int, gamma: float, prm_weight: float, exec_failure_reward: float,
+                            format_penalty: float, scale_by_std: bool) -> tuple[jax.Array, dict]:
+    """``layout_rewards(variant)`` -> ``clause_advantages``: token advantages [B, N] and unit statistics."""
+    rewards, unit_mask, token_unit = layout_rewards(
+        variant, prm_scores, clause_ends, exec_rewards, completion_mask, parse_ok, prm_weight=prm_weight,
+        exec_failure_reward=exec_failure_reward, format_penalty=format_penalty)
+    adv = clause_advantages(rewards, unit_mask, token_unit, completion_mask, group_size, gamma,
+                            scale_by_std=scale_by_std)
+    valid = unit_mask.astype(jnp.float32)
+    count = jnp.maximum(valid.sum(), 1.0)
+    mean = (rewards * valid).sum() / count
+    grouped = exec_rewards.reshape(-1, group_size)
+    stats = {
+        "unit_reward_mean": mean,
+        "unit_reward_std": jnp.sqrt((((rewards - mean) * valid) ** 2).sum() / count),
+        "units_per_sample": valid.sum(axis=1).mean(),
+        "groups_with_exec_signal": (grouped.max(axis=1) > grouped.min(axis=1)).mean(),
+        "abs_advantage": jnp.abs(adv).sum() / jnp.maximum(completion_mask.sum(), 1),
+    }
+    return adv, stats
+
+
+# -- data
+
+
+def rl_examples(world, split: str, executors, schema_values: int) -> tuple[list, list]:
+    """(examples, gold results) of a split, dropping examples whose gold SQL does not execute."""
+    examples = data_lib.examples_from_split(world.dir, split, schema_values=schema_values)
+    kept, golds = [], []
+    for ex in examples:
+        gold = executors.execute(ex.db_id, ex.sql)
+        if gold.ok:
+            kept.append(ex)
+            golds.append(gold)
+    if len(kept) < len(examples):
+        multihost.log_main("%s: dropped %d examples whose gold SQL fails", split, len(examples) - len(kept))
+    if not kept:
+        raise ValueError(f"no usable {split} examples in {world.dir}")
+    return kept, golds
+
+
+def prompt_iterator(num_examples: int, prompts_per_step: int, seed: int) -> grain.DatasetIterator:
+    """Example indices, reshuffled every epoch, ``prompts_per_step`` at a time (checkpointable)."""
+    dataset = (grain.MapDataset.range(num_examples).shuffle(seed=seed).repeat(None)
+               .batch(prompts_per_step, drop_remainder=True))
+    return iter(dataset.to_iter_dataset())
+
+
+def _replicated(batch: dict, mesh, rules) -> dict:
+    """The same host batch on every process -> global arrays split over the batch axis."""
+    out = {}
+    for key, value in batch.items():
+        value = np.asarray(value)
+        sharding = multihost.batch_sharding(mesh, value.ndim, rules)
+        out[key] = jax.make_array_from_callback(value.shape, sharding, lambda idx, v=value: v[idx])
+    return out
+
+
+def _minibatches(batch: dict, count: int):
+    rows = next(iter(batch.values())).shape[0]
+    size = rows // count
+    for i in range(count):
+        yield {k: v[i * size:(i + 1) * size] for k, v in batch.items()}
+
+
+# -- loop
+
+
+def validate(config) -> None:
+    """Every config value checked before any data, model or compilation work starts."""
+    from caper_jax.models.presets import PRESETS
+
+    if config.data.kind not in ("demo", "spider"):
+        raise ValueError(f"data.kind={config.data.kind!r}; expected 'demo' or 'spider'")
+    if config.model.preset not in PRESETS:
+        raise ValueError(f"model.preset={config.model.preset!r}; expected one of {PRESETS}")
+    if config.reward.variant not in VARIANTS:
+        raise ValueError(f"reward.variant={config.reward.variant!r}; expected one of {VARIANTS}")
+    if config.reward.variant != "sparse" and not config.prm.workdir:
+        raise ValueError(f"reward.variant={config.reward.variant!r} needs prm.workdir (a PRM trainer workdir)")
+    if config.policy.sft_workdir and config.model.hf_dir:
+        raise ValueError("set at most one of policy.sft_workdir and model.hf_dir (the starting policy)")
+    if config.rl.agg not in AGGREGATIONS:
+        raise ValueError(f"rl.agg={config.rl.agg!r}; expected one of {AGGREGATIONS}")
+    if config.rl.group_size < 2:
+        raise ValueError(f"rl.group_size={config.rl.group_size} must be >= 2 (advantages are group-relative)")
+    rows = config.rl.prompts_per_step * config.rl.group_size
+    if config.rl.prompts_per_step < 1 or rows % config.rl.num_minibatches:
+        raise ValueError(f"prompts_per_step x group_size = {rows} rollouts must split into "
+                         f"rl.num_minibatches={config.rl.num_minibatches} equal minibatches")
+    if config.rl.update_epochs < 1 or config.rl.beta < 0 or not 0 <= config.rl.eps_low < 1 or config.rl.eps_high < 0:
+        raise ValueError("need rl.update_epochs >= 1, rl.beta >= 0, 0 <= rl.eps_low < 1, rl.eps_high >= 0")
+    if not 0 < config.rl.gamma <= 1:
+        raise ValueError(f"rl.gamma={config.rl.gamma} must be in (0, 1]")
+    if config.sampling.temperature <= 0:
+        raise ValueError("sampling.temperature must be > 0 for GRPO (greedy samples give no group signal)")
+    SamplingConfig(config.sampling.max_new_tokens, config.sampling.temperature, config.sampling.top_k,
+                   config.sampling.top_p)
+    if config.optim.total_steps < 1 or config.optim.lr <= 0:
+        raise ValueError("optim.total_steps must be >= 1 and optim.lr > 0")
+    for key in ("log_every", "ckpt_every", "chunk_size"):
+        if config[key] < 1:
+            raise ValueError(f"{key} must be >= 1, got {config[key]}")
+    if config.reward.semantics not in ("spider", "bird"):
+        raise ValueError(f"reward.semantics={config.reward.semantics!r}; expected spider or bird")
+    mesh_lib.resolve_mesh_shape(tuple(config.mesh_shape.values()), jax.device_count())
+    rules_lib.rules_dict(config.sharding_rules)
+
+
+def reward_config(config) -> rollout_lib.RewardConfig:
+    r = config.reward
+    return rollout_lib.RewardConfig(correct_reward=r.correct, wrong_reward=r.wrong, failure_reward=r.failure,
+                                    semantics=r.semantics)
+
+
+def run(config, workdir: str) -> dict:
+    from caper_jax.data.prompts import policy_prompt
+    from caper_jax.data.world import prepare_world
+    from caper_jax.sql.execution import Executors
+
+    multihost.initialize()
+    workdir = pathlib.Path(workdir)
+    main = multihost.is_main_process()
+    if main:
+        workdir.mkdir(parents=True, exist_ok=True)
+    writer = MetricWriter(workdir, enabled=main)
+
+    world = prepare_world(config, workdir)
+    tokenizer = world.tokenizer
+    stop_tokens = tuple(sorted({data_lib.stop_token_id(tokenizer)} |
+                               ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())))
+    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_tokens[0])
+    executors = Executors(world.database_dir, timeout_s=config.reward.timeout_s, max_rows=config.reward.max_rows)
+    examples, golds = rl_examples(world, config.data.train_split, executors, config.data.schema_values)
+    prompts = [policy_prompt(ex.question, ex.schema, ex.evidence) for ex in examples]
+
+    mesh = mesh_lib.make_mesh(config.mesh_shape.to_dict())
+    rules = tuple(tuple(r) for r in config.sharding_rules)
+    vocab = len(tokenizer)
+    policy = load_policy(config, vocab, mesh, rules)
+    tx = make_optimizer(config.optim)
+    graphdef, state, state_sharding = create_state(policy, tx, mesh, rules)
+    ref_params = state.params if config.rl.beta > 0 else None  # the starting point, before any update
+    if ref_params is not None:
+        ref_params = jax.tree.map(jnp.copy, ref_params)  # the state is donated; the reference must survive
+    del policy
+    prm = load_prm(config, vocab, mesh, rules) if config.reward.variant != "sparse" else None
+    if prm is not None:
+        prm_graphdef, prm_params = nnx.split(prm)
+    update = jit_update(graphdef, tx, config, state_sharding)
+    sampling = SamplingConfig(config.sampling.max_new_tokens, config.sampling.temperature, config.sampling.top_k,
+                              config.sampling.top_p, stop_tokens=stop_tokens, pad_id=pad_id)
+    reward_cfg = reward_config(config)
+    group = config.rl.group_size
+    multihost.log_main("GRPO (%s): %s policy parameters, %d prompts x G=%d per step, %d training prompts",
+                       config.reward.variant, f"{sum(x.size for x in jax.tree.leaves(state.params)):,}",
+                       config.rl.prompts_per_step, group, len(examples))
+
+    data_iter = prompt_iterator(len(examples), config.rl.prompts_per_step, config.seed)
+    checkpointer = ckpt_lib.Checkpointer(workdir / "checkpoints", max_to_keep=config.ckpt_keep,
+                                         save_interval_steps=config.ckpt_every)
+    restored = checkpointer.restore_latest(ckpt_lib.abstract_state(state), data_iterator=data_iter)
+    if restored is not None:
+        state = restored.state
+        multihost.log_main("resumed from step %d", restored.step)
+    first_step = int(state.step)
+
+    total = config.optim.total_steps
+    progress = Progress(total, first_step)
+    base_key = jax.random.key(config.seed)
+    with jax.set_mesh(mesh):
+        for step in range(first_step + 1, total + 1):
+            t_start = time.perf_counter()
+            indices = np.repeat(np.asarray(next(data_iter)), group)  # consecutive rows = one group
+            prompt_ids, prompt_mask = data_lib.prompt_batch([prompts[i] for i in indices], tokenizer,
+                                                            config.sampling.max_prompt_len,
+                                                            multiple=config.sampling.prompt_bucket, pad_id=pad_id)
+            output = rollout_lib.sample(nnx.merge(graphdef, state.params), jnp.asarray(prompt_ids),
+                                        jnp.asarray(prompt_mask), jax.random.fold_in(base_key, step), sampling)
+            jax.block_until_ready(output)
+            t_sampled = time.perf_counter()
+            rollout = rollout_lib.assemble_rollout(
+                prompt_ids, prompt_mask, output, tokenizer, executors, [examples[i].db_id for i in indices],
+                [examples[i].sql for i in indices], [golds[i] for i in indices], stop_tokens, reward_cfg)
+            t_scored = time.perf_counter()
+
+            batch = _replicated({"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
+                                 "completion_mask": rollout.completion_mask, "old_logp": rollout.old_logp,
+                                 "clause_ends": rollout.clause_ends, "exec_rewards": rollout.exec_rewards,
+                                 "parse_ok": rollout.parse_ok}, mesh, rules)
+            n_new = rollout.completion_mask.shape[1]
+            if prm is not None:
+                prm_scores = prm_token_scores(prm_params, batch["input_ids"], batch["attention_mask"],
+                                              graphdef=prm_graphdef)[:, -n_new:]
+            else:
+                prm_scores = jnp.zeros(batch["completion_mask"].shape, jnp.float32)
+            advantages, unit_stats = advantages_from_rewards(
+                prm_scores, batch["clause_ends"], batch["exec_rewards"], batch["completion_mask"], batch["parse_ok"],
+                variant=config.reward.variant, group_size=group, gamma=float(config.rl.gamma),
+                prm_weight=float(config.reward.prm_weight), exec_failure_reward=float(config.reward.failure),
+                format_penalty=float(config.reward.format_penalty), scale_by_std=config.rl.scale_by_std)
+            train_batch = {k: batch[k] for k in ("input_ids", "attention_mask", "completion_mask", "old_logp")}
+            train_batch["advantages"] = advantages
+            if ref_params is not None:
+                train_batch["ref_logp"] = jit_completion_logprobs(
+                    ref_params, batch["input_ids"], batch["attention_mask"], graphdef=graphdef, completion_len=n_new,
+                    temperature=float(config.sampling.temperature), chunk_size=config.chunk_size)
+            t_prepared = time.perf_counter()
+
+            metrics = []
+            for _ in range(config.rl.update_epochs):
+                for minibatch in _minibatches(train_batch, config.rl.num_minibatches):
+                    state, m = update(state, minibatch)
+                    metrics.append(m)
+            state = state.replace(step=state.step + 1)
+            jax.block_until_ready(state)
+            t_end = time.perf_counter()
+
+            if int(state.nonfinite) > config.optim.max_consecutive_nonfinite:
+                checkpointer.close()
+                raise NonFiniteLossError(
+                    f"step {step}: {int(state.nonfinite)} consecutive non-finite GRPO updates (limit "
+                    f"{config.optim.max_consecutive_nonfinite}); they were refused and the last good checkpoint "
+                    f"in {workdir / 'checkpoints'} is intact. Lower optim.lr or check the rewards.")
+            if step % config.log_every == 0 or step == total:
+                fetched = jax.device_get(metrics)
+                generated = float(rollout.completion_mask.sum())
+                updated_tokens = float(rollout.attention_mask.sum()) * config.rl.update_epochs
+                summary = {f"train/{k}": float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+                summary.update({f"rollout/{k}": float(v) for k, v in jax.device_get(unit_stats).items()})
+                summary.update({
+                    "rollout/reward_mean": float(rollout.exec_rewards.mean()),
+                    "rollout/ex": float(rollout.correct.mean()),
+                    "rollout/parse_rate": float(rollout.parse_ok.mean()),
+                    "rollout/exec_rate": float(rollout.executed.mean()),
+                    "rollout/completion_len": generated / len(rollout.texts),
+                    "perf/rollout_tokens_per_s": generated / max(t_sampled - t_start, 1e-9),
+                    "perf/score_s": t_scored - t_sampled,
+                    "perf/update_tokens_per_s": updated_tokens / max(t_end - t_prepared, 1e-9),
+                    "perf/step_s": t_end - t_start,
+                    "train/lr": float(learning_rate(config.optim)(step)),
+                })
+                line = progress.update(step)
+                summary["perf/steps_per_s"] = progress.steps_per_s
+                writer.write(step, summary)
+                multihost.log_main("%s  reward %.3f  EX %.3f  parse %.2f  kl %.4f  clip %.3f  |A| %.3f", line,
+                                   summary["rollout/reward_mean"], summary["rollout/ex"],
+                                   summary["rollout/parse_rate"], summary.get("train/kl_ref", 0.0),
+                                   summary["train/clip_frac_low"] + summary["train/clip_frac_high"],
+                                   summary["rollout/abs_advantage"])
+            checkpointer.save(step, state, data_iterator=data_iter, config=config.to_dict(), force=step == total)
+        checkpointer.wait()
+
+        policy = nnx.merge(graphdef, state.params)
+        held_out = data_lib.examples_from_split(world.dir, config.data.eval_split,
+                                                schema_values=config.data.schema_values)
+        order = np.random.default_rng(config.seed).permutation(len(held_out))[: config.eval.num_examples]
+        summary, rows = rollout_lib.greedy_ex(
+            policy, tokenizer, [held_out[i] for i in sorted(order)], executors,
+            max_prompt_len=config.sampling.max_prompt_len, max_new_tokens=config.sampling.max_new_tokens,
+            stop_tokens=stop_tokens, batch_size=config.eval.batch_size, semantics=config.reward.semantics)
+    checkpointer.close()
+    executors.close()
+    results = {"eval/greedy_ex": summary["ex"], "eval/executable": summary["executable"], "eval/n": summary["n"],
+               "eval/excluded": summary["excluded"], "variant": config.reward.variant, "steps": total}
+    writer.write(total, {k: v for k, v in results.items() if k.startswith("eval/")})
+    writer.close()
+    multihost.log_main("greedy EX on %d held-out %s examples: %.3f", summary["n"], config.data.eval_split,
+                       summary["ex"])
+    if main:
+        (workdir / "results.json").write_text(json.dumps(results, indent=1))
+        with (workdir / "predictions_eval.jsonl").open("w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        plot_curves(read_metrics(workdir / "metrics.jsonl"),
+                    ["rollout/reward_mean", "rollout/ex", "train/kl_ref", "train/entropy"],
+                    workdir / "grpo_curves.png", title=f"GRPO ({config.reward.variant})")
+    if config.export_hf:
+        from caper_jax.models import to_hf
+
+        out = to_hf(policy, policy.config, workdir / "hf_export")
+        if main:
+            tokenizer.save_pretrained(str(out))
+    return results
+
+
+def dry_run(config) -> dict:
+    """Lower + compile the GRPO update on abstract shapes for the current devices; no weights."""
+    from caper_jax.models import Qwen35ForCausalLM
+    from caper_jax.models.presets import model_preset
+    from caper_jax.parallel.dry_run import report
+
+    mesh = mesh_lib.make_mesh(config.mesh_shape.to_dict())
+    rules = tuple(tuple(r) for r in config.sharding_rules)
+    arch = model_preset(config.model.preset, **_runtime(config.model))
+    graphdef, abstract_params = rules_lib.abstract_state(
+        lambda: Qwen35ForCausalLM(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules)
+    tx = make_optimizer(config.optim)
+    abstract = jax.eval_shape(lambda p: init_state(p, tx), abstract_params)
+    shardings = rules_lib.logical_to_sharding(abstract, mesh, rules)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    rows = config.rl.prompts_per_step * config.rl.group_size // config.rl.num_minibatches
+    full, new = config.sampling.max_prompt_len + config.sampling.max_new_tokens, config.sampling.max_new_tokens
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=multihost.batch_sharding(mesh, len(shape), rules))
+    batch = {"input_ids": sds((rows, full), jnp.int32), "attention_mask": sds((rows, full), jnp.int32),
+             "completion_mask": sds((rows, new), jnp.int32), "old_logp": sds((rows, new), jnp.float32),
+             "advantages": sds((rows, new), jnp.float32)}
+    if config.rl.beta > 0:
+        batch["ref_logp"] = sds((rows, new), jnp.float32)
+    print(f"GRPO update: preset {config.model.preset}, minibatch {rows} x ({config.sampling.max_prompt_len} + "
+          f"{new}) tokens, beta {config.rl.beta}, remat {config.model.remat}")
+    return report(jit_update(graphdef, tx, config), (abstract, batch), mesh, params=abstract.params)

@@ -1,0 +1,112 @@
+"""GRPO of the text-to-SQL policy with clause-level (CAPER), token-level or sparse rewards.
+
+Built-in default — CPU, no downloads: the demo world, a tiny random policy, the sparse (execution-only)
+variant, which needs no PRM:
+
+    python -m caper_jax.train --config=configs/grpo.py --workdir=runs/grpo_demo
+
+The full pipeline on the demo world (SFT policy, then a Clause-PRM, then CAPER GRPO):
+
+    python -m caper_jax.train --config=configs/sft.py --workdir=runs/sft_demo
+    python -m caper_jax.train --config=configs/prm.py --workdir=runs/prm_demo
+    python -m caper_jax.train --config=configs/grpo.py:variant=clause --workdir=runs/grpo_clause \
+        --config.policy.sft_workdir=runs/sft_demo --config.prm.workdir=runs/prm_demo
+
+Variants (``:arg``, comma separated):
+    :variant=sparse|token|clause  reward layout (clause = CAPER; token and sparse are the paper's baselines)
+    :model=tiny|small|qwen35_9b   policy preset when starting from random weights
+    :data=demo|spider             demo world, or Spider/BIRD layout data in --config.data.dir
+    :steps=N                      GRPO steps (one rollout of prompts_per_step x group_size each)
+"""
+from ml_collections import ConfigDict
+
+from caper_jax.parallel.rules import DEFAULT_RULES
+from configs.common import parse_arg
+
+
+def get_config(arg: str | None = None) -> ConfigDict:
+    arg = parse_arg(arg, variant="sparse", model="tiny", data="demo", steps=0)
+    big = arg.model == "qwen35_9b"
+    c = ConfigDict()
+    c.trainer = "grpo"
+    c.seed = 0
+
+    c.data = ConfigDict()
+    c.data.kind = arg.data
+    c.data.dir = ""
+    c.data.train_split = "train"
+    c.data.eval_split = "dev"
+    c.data.schema_values = 0
+    c.data.demo_train_size = 1200
+    c.data.demo_dev_size = 300
+
+    c.model = ConfigDict()                    # the starting policy when not policy.sft_workdir, + runtime
+    c.model.preset = arg.model                # random init of this preset (tests, smoke runs) ...
+    c.model.hf_dir = ""                       # ... or an HF Qwen3.5 directory (also the default tokenizer)
+    c.model.tokenizer_dir = ""
+    c.model.dtype = "bfloat16" if big else "float32"
+    c.model.param_dtype = "float32"
+    c.model.remat = "full" if big else "none"
+    c.chunk_size = 128
+
+    c.policy = ConfigDict()
+    c.policy.sft_workdir = ""                 # SFT trainer workdir: start from its orbax checkpoint
+    c.policy.ckpt = 0                         # checkpoint step of sft_workdir; 0 = newest that verifies
+
+    c.prm = ConfigDict()
+    c.prm.workdir = ""                        # PRM trainer workdir (its orbax checkpoint); token/clause only
+    c.prm.ckpt = 0                            # checkpoint step; 0 = newest that verifies
+
+    c.reward = ConfigDict()
+    c.reward.variant = arg.variant            # sparse | token | clause
+    c.reward.correct = 1.0                    # execution reward: result equals gold
+    c.reward.wrong = 0.0                      # runs, wrong result
+    c.reward.failure = 0.0                    # error, empty or unparseable SQL
+    c.reward.format_penalty = 0.0             # extra penalty for unparseable SQL
+    c.reward.prm_weight = 1.0                 # PRM score scale vs the execution reward
+    c.reward.semantics = "spider"             # result comparison: spider | bird
+    c.reward.timeout_s = 2.0                  # per query, sandboxed SQLite
+    c.reward.max_rows = 10_000
+
+    c.sampling = ConfigDict()
+    c.sampling.temperature = 1.0
+    c.sampling.top_p = 1.0
+    c.sampling.top_k = 0
+    c.sampling.max_new_tokens = 128 if big else 64
+    c.sampling.max_prompt_len = 1920 if big else 192
+    c.sampling.prompt_bucket = 64             # prompt widths are rounded up to this (few compiled shapes)
+
+    c.rl = ConfigDict()
+    c.rl.group_size = 8                       # G completions per prompt
+    c.rl.prompts_per_step = 32 if big else 4
+    c.rl.update_epochs = 2                    # optimisation passes over each rollout (mu)
+    c.rl.num_minibatches = 1                  # optimizer steps per pass
+    c.rl.eps_low = 0.2
+    c.rl.eps_high = 0.28
+    c.rl.beta = 0.04                          # KL to the reference; 0 skips the reference forward
+    c.rl.gamma = 1.0
+    c.rl.agg = "token-mean"
+    c.rl.scale_by_std = True
+
+    c.optim = ConfigDict()
+    c.optim.lr = 1e-6 if big else 1e-4
+    c.optim.warmup_steps = 5
+    c.optim.total_steps = arg.steps or (500 if big else 40)
+    c.optim.weight_decay = 0.0
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.99
+    c.optim.grad_clip = 1.0
+    c.optim.max_consecutive_nonfinite = 10
+
+    c.eval = ConfigDict()
+    c.eval.num_examples = 500 if big else 64
+    c.eval.batch_size = 32 if big else 16
+
+    c.mesh_shape = ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
+    c.sharding_rules = DEFAULT_RULES
+
+    c.log_every = 1
+    c.ckpt_every = 10
+    c.ckpt_keep = 2
+    c.export_hf = True
+    return c

@@ -1,0 +1,180 @@
+"""The GRPO trainer: the update's dependence on rewards, and short end-to-end runs of every variant.
+
+* All-equal rewards give advantages exactly 0; with beta = 0 the loss gradient is then exactly 0 and
+  AdamW (no weight decay) leaves every parameter bit-identical. Unequal rewards move them, and the
+  completion with the higher reward gains log-probability.
+* sparse / token / clause runs of 2 steps on a small demo world (tiny random policy, a Clause-PRM run
+  written here through the same Checkpointer the PRM trainer uses) write metrics and checkpoints, and
+  a rerun with more steps resumes from the last checkpoint instead of starting over.
+"""
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from caper_jax.prm.step import init_state, make_optimizer
+from caper_jax.rl import trainer as T
+from caper_jax.utils.monitoring import read_metrics
+from tests.sft import persistent_compile_cache
+
+SMALL_WORLD = dict(demo_train_size=40, demo_dev_size=10)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def xla_cache(tmp_path_factory):
+    """A persistent compilation cache for this module: six runs compile the same few programs."""
+    with persistent_compile_cache(tmp_path_factory.mktemp("xla_cache")):
+        yield
+
+
+def grpo_config(**rl):
+    from configs.grpo import get_config
+
+    config = get_config()
+    config.rl.update(dict(beta=0.0, group_size=2, prompts_per_step=2, update_epochs=1), **rl)
+    config.optim.lr = 1e-2
+    config.optim.warmup_steps = 0
+    return config
+
+
+def e2e_config(data_dir: str, variant: str = "sparse", beta: float = 0.0):
+    """The end-to-end runs' config: 1 prompt x G=2, 8 new tokens, prompts padded to 192."""
+    config = grpo_config(beta=beta, prompts_per_step=1)
+    config.data.update(SMALL_WORLD, dir=data_dir)
+    config.reward.variant = variant
+    config.sampling.update(max_new_tokens=8, max_prompt_len=192)
+    config.eval.update(num_examples=2, batch_size=2)
+    config.update(export_hf=False, log_every=1, ckpt_every=1)
+    config.optim.total_steps = 2
+    return config
+
+
+@pytest.fixture(scope="module")
+def update_setup(world):
+    """The e2e runs' policy, optimizer, mesh and shapes: the update program compiled here is the one the
+    sparse/token runs below reuse (same process-wide program cache key)."""
+    from caper_jax.parallel import mesh as mesh_lib
+    from caper_jax.rl.trainer import load_policy
+    from caper_jax.sft.trainer import create_state
+
+    data_dir, tokenizer = world
+    config = e2e_config(data_dir)
+    mesh = mesh_lib.make_mesh(config.mesh_shape.to_dict())
+    rules = tuple(tuple(r) for r in config.sharding_rules)
+    policy = load_policy(config, len(tokenizer), mesh, rules)
+    tx = make_optimizer(config.optim)
+    graphdef, state, shardings = create_state(policy, tx, mesh, rules)
+    rng = np.random.default_rng(0)
+    new = config.sampling.max_new_tokens
+    ids = jnp.asarray(rng.integers(4, len(tokenizer), (2, config.sampling.max_prompt_len + new)), jnp.int32)
+    attention = jnp.ones_like(ids)
+    logprobs = functools.partial(T.jit_completion_logprobs, input_ids=ids, attention_mask=attention,
+                                 graphdef=graphdef, completion_len=new, temperature=1.0, chunk_size=config.chunk_size)
+    fresh_state = jax.jit(lambda p: init_state(p, tx), out_shardings=shardings)  # the e2e runs' layout
+    return dict(params=state.params, fresh_state=fresh_state, ids=ids, attention=attention, new=new,
+                logprobs=logprobs, mesh=mesh, update=T.jit_update(graphdef, tx, config, shardings))
+
+
+def update_once(setup, exec_rewards):
+    """One GRPO update (beta = 0) on a hand-made rollout of one group of 2 completions."""
+    with jax.set_mesh(setup["mesh"]):
+        state = setup["fresh_state"](setup["params"])  # a new state: the update donates its input
+        before = jax.tree.map(np.asarray, state.params)
+        completion = jnp.ones((2, setup["new"]), jnp.int32)
+        old_logp = setup["logprobs"](state.params)
+        adv, _ = T.advantages_from_rewards(
+            jnp.zeros((2, setup["new"])), jnp.full((2, 8), -1, jnp.int32), jnp.asarray(exec_rewards, jnp.float32),
+            completion, jnp.ones(2, bool), variant="sparse", group_size=2, gamma=1.0, prm_weight=1.0,
+            exec_failure_reward=0.0, format_penalty=0.0, scale_by_std=True)
+        batch = {"input_ids": setup["ids"], "attention_mask": setup["attention"], "completion_mask": completion,
+                 "old_logp": old_logp, "advantages": adv}
+        state, metrics = setup["update"](state, batch)
+        new_logp = setup["logprobs"](state.params)
+    return before, state, np.asarray(adv), np.asarray(old_logp).sum(1), np.asarray(new_logp).sum(1), metrics
+
+
+def test_equal_rewards_leave_params_unchanged(update_setup):
+    before, state, adv, _, _, metrics = update_once(update_setup, [1.0, 1.0])
+    assert np.all(adv == 0.0)
+    assert float(metrics["refused"]) == 0.0
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_unequal_rewards_move_params_towards_the_better_completion(update_setup):
+    before, state, adv, old, new, _ = update_once(update_setup, [1.0, 0.0])
+    assert adv[0].min() > 0 > adv[1].max()
+    moved = sum(float(np.abs(a - np.asarray(b)).max()) for a, b in zip(jax.tree.leaves(before),
+                                                                        jax.tree.leaves(state.params)))
+    assert moved > 0
+    gain = new - old
+    assert gain[0] > 0 > gain[1]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from caper_jax.data.world import prepare_world
+
+    config = grpo_config()
+    config.data.update(SMALL_WORLD, dir=str(tmp_path_factory.mktemp("world")))
+    return config.data.dir, prepare_world(config, config.data.dir).tokenizer
+
+
+@pytest.fixture(scope="module")
+def prm_run(tmp_path_factory, world):
+    """A PRM trainer workdir holding one checkpoint of a random tiny Clause-PRM (the PRM trainer's layout)."""
+    from caper_jax import checkpoint as ckpt_lib
+    from caper_jax.models.presets import model_preset
+    from caper_jax.prm.model import ClausePRM
+    from configs.prm import get_config
+
+    _, tokenizer = world
+    config = get_config()
+    workdir = tmp_path_factory.mktemp("prm_run")
+    prm = ClausePRM(model_preset("tiny", vocab_size=len(tokenizer)), rngs=nnx.Rngs(3))
+    state = init_state(nnx.state(prm), make_optimizer(config.optim))
+    with ckpt_lib.Checkpointer(workdir / "checkpoints", async_save=False) as checkpointer:
+        checkpointer.save(7, state, config=config.to_dict(), force=True)
+    return workdir
+
+
+@pytest.mark.parametrize("variant,beta", [("sparse", 0.0), ("token", 0.0), ("clause", 0.04)])
+def test_end_to_end_and_resume(variant, beta, world, prm_run, tmp_path):
+    config = e2e_config(world[0], variant, beta)
+    config.prm.workdir = str(prm_run) if variant != "sparse" else ""
+    T.validate(config)
+    results = T.run(config, str(tmp_path))
+    assert results["eval/n"] == 2 and 0.0 <= results["eval/greedy_ex"] <= 1.0
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    train_rows = [r for r in rows if "rollout/reward_mean" in r]
+    assert [r["step"] for r in train_rows] == [1, 2]
+    for key in ("rollout/ex", "rollout/unit_reward_mean", "train/clip_frac_low", "train/entropy",
+                "perf/rollout_tokens_per_s", "perf/update_tokens_per_s"):
+        assert np.isfinite(train_rows[-1][key]), key
+    assert ("train/kl_ref" in train_rows[-1]) == (beta > 0)
+    assert (tmp_path / "checkpoints" / "2").is_dir()
+    units = train_rows[-1]["rollout/units_per_sample"]
+    assert units == 1.0 if variant == "sparse" else units >= 1.0
+
+    config.optim.total_steps = 3
+    T.run(config, str(tmp_path))
+    steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "rollout/reward_mean" in r]
+    assert steps == [1, 2, 3], "the rerun must resume at step 3, not start over"
+    assert (tmp_path / "checkpoints" / "3").is_dir()
+    assert json.loads((tmp_path / "results.json").read_text())["variant"] == variant
+
+
+def test_bad_config_is_refused():
+    config = grpo_config()
+    config.reward.variant = "clause"
+    with pytest.raises(ValueError, match="prm.workdir"):
+        T.validate(config)
+    config = grpo_config(group_size=1)
+    with pytest.raises(ValueError, match="group_size"):
+        T.validate(config)
