@@ -7,8 +7,9 @@
     inject --db PATH.sqlite --input IN.jsonl --output OUT.jsonl [--per_query K]
         Input lines: {"gold", ...}. One output line per verified negative: "gold", "negative",
         "clause", "mutation", "margin" (delta at the mutated clause), "root_node".
-    build --config=configs/annotate.py[:arg] [--config.field=value ...]
-        The TFDS ArrayRecord dataset, with a progress bar and a final summary.
+    build --config=configs/annotate.py[:arg] [--config.field=value ...] [--beam [--beam_options=...]]
+        The TFDS ArrayRecord dataset, with a progress bar and a final summary. ``--beam`` annotates
+        in an Apache Beam pipeline (local DirectRunner by default; docs/scale.md).
 
 A malformed input line (not JSON, not an object, a required field missing or not a string, a gold
 query that does not run) is reported on stderr with its line number and skipped; so is a line on
@@ -48,6 +49,10 @@ def define_flags() -> None:
     flags.DEFINE_string("output", None, "Output JSON lines (localize, inject).")
     flags.DEFINE_integer("per_query", None, "Negatives per gold query (inject); default: the config's.")
     config_flags.DEFINE_config_file("config", None, "configs/annotate.py[:arg] (build; optional otherwise).")
+    flags.DEFINE_bool("beam", False, "build: annotate in an Apache Beam pipeline (pip install apache-beam).")
+    flags.DEFINE_string("beam_options", "--runner=DirectRunner --direct_num_workers=0 "
+                        "--direct_running_mode=multi_processing",
+                        "build --beam: Beam pipeline options (default: local DirectRunner, one worker per core).")
 
 
 class InputError(ValueError):
@@ -152,8 +157,11 @@ def run_inject(db: str, input_path: str, output_path: str, settings: AnnotationS
         return process_file(input_path, output_path, ("gold",), handle)
 
 
-def run_build(config: ConfigDict) -> dict[str, dict]:
-    """Builds the TFDS dataset; returns the summary per split."""
+def run_build(config: ConfigDict, beam_options: str | None = None) -> dict[str, dict]:
+    """Builds the TFDS dataset; returns the summary per split.
+
+    ``beam_options`` (a string of Beam pipeline flags) runs the annotation on Apache Beam.
+    """
     from caper_jax.data import tfds_caper      # tensorflow_datasets only for this command
     import tensorflow_datasets as tfds
 
@@ -170,12 +178,18 @@ def run_build(config: ConfigDict) -> dict[str, dict]:
     splits = tuple(config.data.splits)
     options = dict(splits=splits, limit=config.data.limit, predictions=config.data.predictions,
                    database_dir=config.data.database_dir)
+    download_config = tfds.download.DownloadConfig(manual_dir=manual_dir)
+    if beam_options is not None:
+        from apache_beam.options.pipeline_options import PipelineOptions
+
+        download_config = tfds.download.DownloadConfig(
+            manual_dir=manual_dir, beam_options=PipelineOptions(flags=beam_options.split()))
     builder = tfds_caper.CaperTuples(
-        data_dir=config.data_dir or None,
+        data_dir=config.data_dir or None, use_beam=beam_options is not None,
         config=tfds_caper.CaperConfig(
             name=config_name(config.name, settings, {**options, "source": str(pathlib.Path(manual_dir).resolve())}),
             settings=settings, **options))
-    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+    builder.download_and_prepare(download_config=download_config)
     summary = {}
     for split in splits:
         path = pathlib.Path(builder.data_dir) / f"summary_{split}.json"
@@ -203,7 +217,7 @@ def main(argv: list[str]) -> None:
     if command == "build":
         if FLAGS.config is None:
             raise app.UsageError("build needs --config=configs/annotate.py[:arg]")
-        run_build(FLAGS.config)
+        run_build(FLAGS.config, beam_options=FLAGS.beam_options if FLAGS.beam else None)
         return
     for name in ("db", "input", "output"):
         if not getattr(FLAGS, name):

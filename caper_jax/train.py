@@ -20,6 +20,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from caper_jax.parallel import multihost
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/prm.py[:arg].",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics, plots and exports go.")
@@ -85,6 +87,9 @@ def main(argv: list[str]) -> None:
     if config.trainer not in TRAINERS:
         sys.exit(f"error: config.trainer={config.trainer!r}; known trainers: {sorted(TRAINERS)}")
     trainer = importlib.import_module(TRAINERS[config.trainer])
+    # Before anything touches a JAX backend (validate counts devices): a multi-process run must
+    # join jax.distributed first, or every process sees only its own devices.
+    multihost.initialize()
     try:
         trainer.validate(config)
     except (ValueError, KeyError) as e:

@@ -118,10 +118,13 @@ class CaperTuples(tfds.core.GeneratorBasedBuilder):
         # answer for a builder defined in a regular module is simply that module's file.
         return epath.Path(__file__)
 
-    def __init__(self, *, show_progress: bool = True, **kwargs):
+    def __init__(self, *, show_progress: bool = True, use_beam: bool = False, **kwargs):
+        """``use_beam``: annotate in an Apache Beam pipeline (``caper_jax.data.beam_annotate``); pass
+        the runner through ``DownloadConfig(beam_options=...)``. Same records, same keys."""
         kwargs.setdefault("file_format", "array_record")
         super().__init__(**kwargs)
         self.show_progress = show_progress
+        self.use_beam = use_beam
         self.summary: dict[str, dict] = {}
 
     def _info(self) -> tfds.core.DatasetInfo:
@@ -135,13 +138,24 @@ class CaperTuples(tfds.core.GeneratorBasedBuilder):
         manual_dir = dl_manager.manual_dir
         return {split: self._generate_examples(manual_dir, split) for split in self.builder_config.splits}
 
-    def _generate_examples(self, manual_dir, split: str) -> Iterator[tuple[str, dict]]:
+    def _generate_examples(self, manual_dir, split: str):
         config: CaperConfig = self.builder_config
         trajectories = read_trajectories(manual_dir, split, predictions=config.predictions,
                                          limit=config.limit)
         # Every gold is mutated through its question record; a correct prediction adds nothing.
         database_dir = pathlib.Path(manual_dir) / config.database_dir.format(split=split)
-        annotator = Annotator(database_dir, config.settings, read_tables(manual_dir, split))
+        tables = read_tables(manual_dir, split)
+        if self.use_beam:
+            from caper_jax.data.beam_annotate import annotate_trajectories
+
+            summary_path = str(pathlib.Path(self.data_dir) / f"summary_{split}.json")
+            return annotate_trajectories(trajectories, str(database_dir), config.settings, tables, summary_path)
+        return self._annotate_here(trajectories, database_dir, tables, split)
+
+    def _annotate_here(self, trajectories: list[dict], database_dir: pathlib.Path, tables: dict[str, dict],
+                       split: str) -> Iterator[tuple[str, dict]]:
+        config: CaperConfig = self.builder_config
+        annotator = Annotator(database_dir, config.settings, tables)
         summary = _Summary()
         try:
             for i, record in enumerate(tqdm(trajectories, desc=f"annotate {split}", unit="traj",

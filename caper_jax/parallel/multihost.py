@@ -58,25 +58,40 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
+# Long enough for process 0 to annotate a full training split while the others wait.
+MAIN_FIRST_TIMEOUT_S = 4 * 3600
+
+
+def barrier(name: str, timeout_s: float) -> None:
+    """Blocks until every process reaches ``barrier(name)``; no-op with one process.
+
+    Uses the distributed runtime's coordination service, not a device collective: a collective
+    barrier would open a gloo (CPU) or NCCL context whose set-up gives up after about 30 s, far
+    less than process 0 may need here. Each name may be used once per run.
+    """
+    if jax.process_count() == 1:
+        return
+    # The runtime client: jax has no public barrier with a timeout.
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier(f"caper_jax:{name}", int(timeout_s * 1000))
+
+
 @contextlib.contextmanager
-def main_process_first(name: str) -> Iterator[None]:
+def main_process_first(name: str, timeout_s: float = MAIN_FIRST_TIMEOUT_S) -> Iterator[None]:
     """Runs the block on process 0 first, then on every other process.
 
     For work whose result lands on disk and is reused when present (the demo world, annotated
     tuples): process 0 builds it once; on a shared file system the others then find it, on
     host-local disks each host builds its own copy, and no two processes ever write the same
-    file at the same time. The barrier is a device collective, so every process must enter.
+    file at the same time. Every process must enter; if process 0 fails inside the block, the
+    others fail at the barrier's timeout (or when the launcher stops them).
     """
-    if jax.process_count() == 1:
-        yield
-        return
-    from jax.experimental import multihost_utils
-
     if not is_main_process():
-        multihost_utils.sync_global_devices(f"main_process_first:{name}")
+        barrier(f"main_first:{name}", timeout_s)
     yield
     if is_main_process():
-        multihost_utils.sync_global_devices(f"main_process_first:{name}")
+        barrier(f"main_first:{name}", timeout_s)
 
 
 def log_main(msg: str, *args: Any, level: int = logging.INFO) -> None:

@@ -61,9 +61,18 @@ def load_prm_from_hf(hf_dir: str | pathlib.Path, mesh=None, rules=None, *, dtype
 
 def export_prm_to_hf(model: ClausePRM, out_dir: str | pathlib.Path, tokenizer=None,
                      max_shard_bytes: int = 5 * 2**30) -> pathlib.Path:
-    """Writes the PRM as an HF sequence-classification checkpoint (+ tokenizer files if given)."""
+    """Writes the PRM as an HF sequence-classification checkpoint (+ tokenizer files if given).
+
+    Every process must call it (gathering a parameter sharded across hosts is collective); only
+    process 0 writes.
+    """
     config = model.config
-    head = np.asarray(jax.device_get(model.score_head[...]), np.float32)[None, :]
+    head = model.score_head[...]
+    if not head.is_fully_addressable:  # sharded across hosts
+        from jax.experimental import multihost_utils
+
+        head = multihost_utils.process_allgather(head, tiled=True)
+    head = np.asarray(jax.device_get(head), np.float32)[None, :]
 
     def tensors():
         yield from hf_io.hf_state_dict(model.backbone, model.backbone.config)

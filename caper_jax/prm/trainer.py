@@ -119,7 +119,10 @@ def build_model(config, vocab_size: int, mesh, rules) -> ClausePRM:
 
         return load_prm_backbone(config.model.hf_dir, mesh, rules, seed=config.seed, **runtime)
     model_config = model_preset(config.model.preset, vocab_size=vocab_size, **runtime)
-    return rules_lib.create_sharded(lambda: ClausePRM(model_config, rngs=nnx.Rngs(config.seed)), mesh, rules)
+    # mesh/rules reach the model's activation constraints; without them GSPMD replicated the
+    # activations (measured: per-device temp of the 8-way step 3574 MiB vs 549 MiB with them).
+    return rules_lib.create_sharded(
+        lambda: ClausePRM(model_config, rngs=nnx.Rngs(config.seed), mesh=mesh, rules=rules), mesh, rules)
 
 
 def run(config, workdir: str) -> dict:
@@ -227,7 +230,7 @@ def dry_run(config) -> dict:
     runtime = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat)
     model_config = model_preset(config.model.preset, **runtime)
     graphdef, abstract_params = rules_lib.abstract_state(
-        lambda: ClausePRM(model_config, rngs=nnx.Rngs(0)), mesh, rules)
+        lambda: ClausePRM(model_config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules)
     tx = step_lib.make_optimizer(config.optim)
     abstract = jax.eval_shape(lambda p: step_lib.init_state(p, tx), abstract_params)
     shardings = rules_lib.logical_to_sharding(abstract, mesh, rules)

@@ -1,0 +1,106 @@
+"""Annotation as an Apache Beam transform, so ``CaperTuples`` can build on any Beam runner.
+
+The generator path of ``tfds_caper`` annotates trajectories one after another in one process. Here
+the trajectories become a PCollection and each worker runs its own ``Annotator`` (SQLite
+connections cannot be pickled, so it is opened in ``DoFn.setup``). The output is the same
+``(key, example)`` stream with the same keys (``"<trajectory>-<tuple>"``): annotation of a
+trajectory is a pure function of the trajectory and the settings, so the dataset does not depend
+on the runner or on how trajectories are spread over workers. The build summary is a Beam
+combine over per-trajectory counts, written as ``summary_<split>.json`` like the generator path.
+
+Runners: the DirectRunner (local, ``--direct_num_workers``/``--direct_running_mode``) and any
+distributed runner whose workers see ``manual_dir`` (the SQLite files are opened by path).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import tensorflow_datasets as tfds
+
+from caper_jax.sql.tuples import AnnotationSettings
+
+beam = tfds.core.lazy_imports.apache_beam
+
+
+class _AnnotateFn(beam.DoFn):
+    """(index, trajectory) -> (key, tuple dict) for each preference tuple; counts on a side output."""
+
+    def __init__(self, database_dir: str, settings: AnnotationSettings, tables: dict[str, dict]):
+        self.database_dir, self.settings, self.tables = database_dir, settings, tables
+        self.annotator = None
+
+    def setup(self) -> None:
+        from caper_jax.sql.tuples import Annotator
+
+        self.annotator = Annotator(pathlib.Path(self.database_dir), self.settings, self.tables)
+
+    def process(self, element: tuple[int, dict]) -> Iterator[Any]:
+        from caper_jax.data.tfds_caper import _Summary
+
+        index, record = element
+        annotation = self.annotator(record)
+        for j, t in enumerate(annotation.tuples):
+            yield f"{index}-{j}", t.as_dict()
+        counts = _Summary()
+        counts.add(annotation)
+        yield beam.pvalue.TaggedOutput("summary", counts)
+
+    def teardown(self) -> None:
+        if self.annotator is not None:
+            self.annotator.close()
+
+
+class _MergeSummaries(beam.CombineFn):
+    def create_accumulator(self):
+        from caper_jax.data.tfds_caper import _Summary
+
+        return _Summary()
+
+    def add_input(self, accumulator, summary):
+        return merge_summaries(accumulator, summary)
+
+    def merge_accumulators(self, accumulators):
+        accumulators = iter(accumulators)
+        merged = next(accumulators)
+        for other in accumulators:
+            merged = merge_summaries(merged, other)
+        return merged
+
+    def extract_output(self, accumulator) -> dict:
+        return accumulator.as_dict()
+
+
+def merge_summaries(into, other):
+    """Adds the counts of ``other`` to ``into`` (both ``tfds_caper._Summary``); returns ``into``."""
+    into.trajectories += other.trajectories
+    into.tuples += other.tuples
+    for name in ("sources", "errors", "negatives_by_kind", "tuples_by_kind"):
+        getattr(into, name).update(getattr(other, name))
+    return into
+
+
+def _write_summary(summary: dict, path: str) -> None:
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(path).write_text(json.dumps(summary, indent=2))
+
+
+@beam.ptransform_fn
+def annotate_trajectories(pipeline, trajectories: list[dict], database_dir: str, settings: AnnotationSettings,
+                          tables: dict[str, dict], summary_path: str):
+    """PTransform (pipeline root -> (key, tuple dict)) for ``GeneratorBasedBuilder._generate_examples``.
+
+    ``Reshuffle`` after ``Create`` spreads the trajectories over workers (without it the
+    DirectRunner keeps one bundle, i.e. one worker).
+    """
+    annotated = (pipeline
+                 | "Trajectories" >> beam.Create(list(enumerate(trajectories)))
+                 | "Spread" >> beam.Reshuffle()
+                 | "Annotate" >> beam.ParDo(_AnnotateFn(database_dir, settings, tables)).with_outputs(
+                     "summary", main="tuples"))
+    _ = (annotated.summary
+         | "Summarise" >> beam.CombineGlobally(_MergeSummaries())
+         | "WriteSummary" >> beam.Map(_write_summary, summary_path))
+    return annotated.tuples
