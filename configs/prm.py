@@ -36,7 +36,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.data.train_split = "train"
     c.data.eval_split = "dev"
     c.data.max_len = 384 if arg.model != "qwen35_9b" else 2048
-    c.data.bucket_lengths = (128, 192, 256, 384) if arg.model != "qwen35_9b" else (512, 1024, 2048)
+    c.data.bucket_lengths = (128, 192, 384) if arg.model != "qwen35_9b" else (512, 1024, 2048)
     c.data.batch_size = 16 if arg.model != "qwen35_9b" else 64     # global, in pairs
     c.data.eval_batch_size = 32
     c.data.max_eval_tuples = 512
