@@ -68,7 +68,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.optim = ConfigDict()
     c.optim.lr = 1e-3 if arg.model == "tiny" else 1e-5
     c.optim.warmup_steps = 30
-    c.optim.total_steps = arg.steps or (600 if arg.model == "tiny" else 2000)
+    c.optim.total_steps = arg.steps or (300 if arg.model == "tiny" else 2000)
     c.optim.weight_decay = 0.01
     c.optim.b1 = 0.9
     c.optim.b2 = 0.95
@@ -81,8 +81,8 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.sharding_rules = DEFAULT_RULES
 
     c.log_every = 20
-    c.eval_every = 200
-    c.ckpt_every = 200
+    c.eval_every = 100
+    c.ckpt_every = 100
     c.ckpt_keep = 2
     c.export_hf = True
     return c
