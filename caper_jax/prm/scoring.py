@@ -208,7 +208,8 @@ def restore_prm(step_dir: pathlib.Path, config: Mapping[str, Any], mesh, rules, 
     else:
         vocab = restore.stored_param_shapes(step_dir).get("backbone/embed_tokens", (None,))[0]
         model_config = model_preset(model_cfg["preset"], vocab_size=vocab, **runtime)
-    graphdef, abstract = rules_lib.abstract_state(lambda: ClausePRM(model_config, rngs=nnx.Rngs(0)), mesh, rules)
+    graphdef, abstract = rules_lib.abstract_state(
+        lambda: ClausePRM(model_config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules)
     return nnx.merge(graphdef, restore.restore_params(step_dir, abstract))
 
 
