@@ -40,7 +40,8 @@ class MetricWriter:
             return
         scalars = {k: _scalar(v) for k, v in metrics.items()}
         for key, value in scalars.items():
-            self._tb.add_scalar(key, value, step)
+            # TensorBoard tags allow no spaces ("eval/pair_accuracy/GROUP BY"); the JSONL keeps the name.
+            self._tb.add_scalar(key.replace(" ", "_"), value, step)
         with self.path.open("a") as f:
             f.write(json.dumps({"step": int(step), **scalars}) + "\n")
 
