@@ -159,6 +159,17 @@ def abstract_state(
     return graphdef, abstract
 
 
+def abstract_train_state(
+    init_fn: Callable[[], M], init_state: Callable[[nnx.State], Any], mesh: Mesh, rules: LogicalRules
+) -> tuple[nnx.GraphDef[M], Any]:
+    """(graphdef, train state of ShapeDtypeStructs with shardings): params plus whatever
+    ``init_state(params)`` adds (optimizer moments follow their params' logical names). For dry runs."""
+    graphdef, params = abstract_state(init_fn, mesh, rules)
+    state = jax.eval_shape(init_state, params)
+    shardings = logical_to_sharding(state, mesh, rules)
+    return graphdef, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+
+
 def create_sharded(init_fn: Callable[[], M], mesh: Mesh, rules: LogicalRules) -> M:
     """Runs ``init_fn`` (builds an nnx.Module) under jit so its params come out already sharded."""
     graphdef, abstract = abstract_state(init_fn, mesh, rules)

@@ -229,12 +229,10 @@ def dry_run(config) -> dict:
     rules = tuple(tuple(r) for r in config.sharding_rules)
     runtime = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat)
     model_config = model_preset(config.model.preset, **runtime)
-    graphdef, abstract_params = rules_lib.abstract_state(
-        lambda: ClausePRM(model_config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules)
     tx = step_lib.make_optimizer(config.optim)
-    abstract = jax.eval_shape(lambda p: step_lib.init_state(p, tx), abstract_params)
-    shardings = rules_lib.logical_to_sharding(abstract, mesh, rules)
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    graphdef, abstract = rules_lib.abstract_train_state(
+        lambda: ClausePRM(model_config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules),
+        lambda p: step_lib.init_state(p, tx), mesh, rules)
     b, length = config.data.batch_size, config.data.max_len
     batch_sharding = lambda nd: multihost.batch_sharding(mesh, nd, rules)
     ids = jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=batch_sharding(2))

@@ -524,12 +524,10 @@ def dry_run(config) -> dict:
     mesh = mesh_lib.make_mesh(config.mesh_shape.to_dict())
     rules = tuple(tuple(r) for r in config.sharding_rules)
     arch = model_preset(config.model.preset, **_runtime(config.model))
-    graphdef, abstract_params = rules_lib.abstract_state(
-        lambda: Qwen35ForCausalLM(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules)
     tx = make_optimizer(config.optim)
-    abstract = jax.eval_shape(lambda p: init_state(p, tx), abstract_params)
-    shardings = rules_lib.logical_to_sharding(abstract, mesh, rules)
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    graphdef, abstract = rules_lib.abstract_train_state(
+        lambda: Qwen35ForCausalLM(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules),
+        lambda p: init_state(p, tx), mesh, rules)
     rows = config.rl.prompts_per_step * config.rl.group_size // config.rl.num_minibatches
     full, new = config.sampling.max_prompt_len + config.sampling.max_new_tokens, config.sampling.max_new_tokens
     def sds(shape, dtype):

@@ -292,12 +292,10 @@ def dry_run(config) -> dict:
     rules = tuple(tuple(r) for r in config.sharding_rules)
     runtime = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat)
     model_config = model_preset(config.model.preset, **runtime)
-    graphdef, abstract_params = rules_lib.abstract_state(
-        lambda: Qwen35ForCausalLM(model_config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules)
     tx = make_optimizer(config.optim)
-    abstract = jax.eval_shape(lambda p: init_state(p, tx), abstract_params)
-    shardings = rules_lib.logical_to_sharding(abstract, mesh, rules)
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    graphdef, abstract = rules_lib.abstract_train_state(
+        lambda: Qwen35ForCausalLM(model_config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules),
+        lambda p: init_state(p, tx), mesh, rules)
     b, length = config.data.batch_size, config.data.max_len
     ids = jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=multihost.batch_sharding(mesh, 2, rules))
     batch = {key: ids for key in data_lib.BATCH_KEYS}
