@@ -4,6 +4,7 @@
     python -m caper_jax.train --config=configs/prm.py:model=qwen35_9b --dry_run
     python -m caper_jax.train --config=configs/grpo.py --workdir=runs/grpo_demo
     python -m caper_jax.train --config=configs/sft.py --workdir=runs/sft_demo
+    python -m caper_jax.train --config=configs/reproduce.py --workdir=runs/reproduce   # the whole experiment
 
 ``--config.a.b=value`` overrides any field; an unknown key or a value of the wrong type is refused with a
 clear message before anything is built or compiled. ``config.trainer`` picks the loop; each loop is a
@@ -32,6 +33,7 @@ TRAINERS = {
     "prm": "caper_jax.prm.trainer",
     "grpo": "caper_jax.rl.trainer",
     "sft": "caper_jax.sft.trainer",
+    "reproduce": "caper_jax.reproduce",   # all of the above in sequence, plus evaluation and report
 }
 
 

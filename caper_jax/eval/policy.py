@@ -111,18 +111,20 @@ def load_policy(path: str | pathlib.Path, mesh, rules, *, dtype: str | None = No
 
 
 def decode(policy: Policy, prompts: Sequence[str], *, k: int, temperature: float, top_p: float, top_k: int,
-           max_prompt_len: int, max_new_tokens: int, batch_size: int, seed: int
+           max_prompt_len: int, max_new_tokens: int, batch_size: int, seed: int, greedy: bool = True
            ) -> tuple[list[str], list[list[str]]]:
-    """(greedy SQL per prompt, k sampled SQL per prompt). Batches have a fixed shape (one compile)."""
+    """(greedy SQL per prompt, k sampled SQL per prompt); ``greedy=False`` skips the greedy decode and
+    returns ``[]`` for it. Batches have a fixed shape (one compile)."""
     from caper_jax.models.sampler import SamplingConfig
     from caper_jax.rl import rollout
     from caper_jax.sft.data import prompt_batch
 
     stop = (policy.stop_token,)
-    greedy = rollout.greedy_predictions(policy.model, policy.tokenizer, prompts, max_prompt_len=max_prompt_len,
-                                        max_new_tokens=max_new_tokens, stop_tokens=stop, batch_size=batch_size)
+    greedy_sql = rollout.greedy_predictions(
+        policy.model, policy.tokenizer, prompts, max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
+        stop_tokens=stop, batch_size=batch_size) if greedy else []
     if k == 0:
-        return greedy, [[] for _ in prompts]
+        return greedy_sql, [[] for _ in prompts]
     pad = int(getattr(policy.tokenizer, "pad_token_id", None) or 0)
     config = SamplingConfig(max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             stop_tokens=stop, pad_id=pad)
@@ -140,7 +142,7 @@ def decode(policy: Policy, prompts: Sequence[str], *, k: int, temperature: float
         for b in range(real):
             ids_b = rollout.completion_tokens(tokens[b], lengths[b], stop)
             texts.append(rollout.decode_with_offsets(policy.tokenizer, ids_b)[0])
-    return greedy, [texts[i * k:(i + 1) * k] for i in range(len(prompts))]
+    return greedy_sql, [texts[i * k:(i + 1) * k] for i in range(len(prompts))]
 
 
 # -- scoring (host side)
@@ -281,7 +283,7 @@ def run(config, workdir: str | pathlib.Path) -> dict:
     schema_values = config.data.schema_values if config.data.schema_values >= 0 else \
         train.get("data", {}).get("schema_values", 0)
     s = config.sampling
-    with Executors(_database_dir(data_dir), timeout_s=config.timeout_s) as executors:
+    with Executors(database_dir(data_dir), timeout_s=config.timeout_s) as executors:
         examples, excluded = usable_examples(data_dir, config.data.split, schema_values, executors,
                                              config.data.num_examples, config.seed)
         if not examples:
@@ -301,7 +303,8 @@ def run(config, workdir: str | pathlib.Path) -> dict:
                                        aggregates=tuple(config.prm.aggregates))
     results = {"policy": policy.source, "prm": config.prm.path or None, "data": str(data_dir),
                "split": config.data.split, "n": len(examples), "k": s.k, "excluded": excluded,
-               "semantics": config.data.semantics, "metrics": metrics, "config": config.to_dict()}
+               "semantics": config.data.semantics, "schema_values": schema_values, "metrics": metrics,
+               "config": config.to_dict()}
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     with (workdir / "predictions.jsonl").open("w") as f:
@@ -322,7 +325,7 @@ def _policy_data_dir(train: dict, policy_path: str) -> pathlib.Path:
     raise ValueError("set data.dir: the policy's training config names no dataset directory")
 
 
-def _database_dir(data_dir: pathlib.Path) -> pathlib.Path:
+def database_dir(data_dir: pathlib.Path) -> pathlib.Path:
     for name in ("database", "dev_databases", "train_databases"):
         if (data_dir / name).is_dir():
             return data_dir / name

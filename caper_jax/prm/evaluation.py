@@ -23,6 +23,8 @@ from caper_jax.data.spider import load_schemas
 from caper_jax.parallel import multihost
 from caper_jax.prm import localization as loc
 from caper_jax.sql.clauses import CLAUSE_NAMES, COMPOUND_NAMES, WITH_NAME, SqlParseError, split_clauses
+from caper_jax.sql.localize import GoldError, localize
+from caper_jax.sql.tuples import Annotator
 from caper_jax.utils.monitoring import plot_bars
 
 # Written order used to place a missing root clause (see localization.true_index_for).
@@ -84,13 +86,18 @@ class PrmEvaluator:
         if not path.exists():
             return []
         schemas = {db: serialize_schema(entry) for db, entry in load_schemas(world.dir).items()}
+        annotator = Annotator(world.database_dir)
         rows = []
         for line in path.read_text().splitlines():
             if not line.strip():
                 continue
             r = json.loads(line)
+            if r.get("db_id") not in schemas or "pred" not in r or "gold" not in r:
+                continue
             root = r.get("true_root_clause")
-            if root is None or r.get("db_id") not in schemas:
+            if root is None:
+                root = annotated_root(annotator, r["db_id"], r["gold"], r["pred"])
+            if root is None:
                 continue
             try:
                 pred_units = [(u.name, u.text) for u in split_clauses(r["pred"])]
@@ -99,6 +106,7 @@ class PrmEvaluator:
                 continue
             rows.append({"question": r["question"], "schema": schemas[r["db_id"]], "sql": r["pred"],
                          "root": root, "pred_units": pred_units, "gold_units": gold_units})
+        annotator.close()
         return rows
 
     # -- metrics
@@ -148,6 +156,18 @@ class PrmEvaluator:
             metrics[f"localization/{name}/mrr"] = summary["mrr"]
         return {"metrics": metrics, "localization": localization, "n_eval_tuples": len(self.tuples),
                 "n_failures": len(self.failures)}
+
+
+def annotated_root(annotator: Annotator, db_id: str, gold: str, pred: str) -> str | None:
+    """The annotator's root clause of a failed prediction (the paper's label); None when the
+    prediction is right, its database is missing, or its gold does not run."""
+    if not annotator.db_path(db_id).is_file():
+        return None
+    try:
+        found = localize(gold, pred, annotator.executor(db_id), annotator.schema(db_id))
+    except GoldError:
+        return None
+    return None if found.correct else found.root_clause
 
 
 def localization_summaries(rows: list[dict], prm_scores: list[np.ndarray]) -> dict[str, dict]:

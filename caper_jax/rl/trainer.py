@@ -484,21 +484,25 @@ def run(config, workdir: str) -> dict:
         checkpointer.wait()
 
         policy = nnx.merge(graphdef, state.params)
-        held_out = data_lib.examples_from_split(world.dir, config.data.eval_split,
-                                                schema_values=config.data.schema_values)
-        order = np.random.default_rng(config.seed).permutation(len(held_out))[: config.eval.num_examples]
-        summary, rows = rollout_lib.greedy_ex(
-            policy, tokenizer, [held_out[i] for i in sorted(order)], executors,
-            max_prompt_len=config.sampling.max_prompt_len, max_new_tokens=config.sampling.max_new_tokens,
-            stop_tokens=stop_tokens, batch_size=config.eval.batch_size, semantics=config.reward.semantics)
+        rows = []
+        results = {"variant": config.reward.variant, "steps": total}
+        if config.eval.num_examples:  # 0: no end-of-run EX (caper_jax.reproduce evaluates separately)
+            held_out = data_lib.examples_from_split(world.dir, config.data.eval_split,
+                                                    schema_values=config.data.schema_values)
+            order = np.random.default_rng(config.seed).permutation(len(held_out))[: config.eval.num_examples]
+            summary, rows = rollout_lib.greedy_ex(
+                policy, tokenizer, [held_out[i] for i in sorted(order)], executors,
+                max_prompt_len=config.sampling.max_prompt_len, max_new_tokens=config.sampling.max_new_tokens,
+                stop_tokens=stop_tokens, batch_size=config.eval.batch_size, semantics=config.reward.semantics)
+            results.update({"eval/greedy_ex": summary["ex"], "eval/executable": summary["executable"],
+                            "eval/n": summary["n"], "eval/excluded": summary["excluded"]})
+            multihost.log_main("greedy EX on %d held-out %s examples: %.3f", summary["n"], config.data.eval_split,
+                               summary["ex"])
     checkpointer.close()
     executors.close()
-    results = {"eval/greedy_ex": summary["ex"], "eval/executable": summary["executable"], "eval/n": summary["n"],
-               "eval/excluded": summary["excluded"], "variant": config.reward.variant, "steps": total}
-    writer.write(total, {k: v for k, v in results.items() if k.startswith("eval/")})
+    if "eval/n" in results:
+        writer.write(total, {k: v for k, v in results.items() if k.startswith("eval/")})
     writer.close()
-    multihost.log_main("greedy EX on %d held-out %s examples: %.3f", summary["n"], config.data.eval_split,
-                       summary["ex"])
     if main:
         (workdir / "results.json").write_text(json.dumps(results, indent=1))
         with (workdir / "predictions_eval.jsonl").open("w") as f:

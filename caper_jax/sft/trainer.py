@@ -257,17 +257,21 @@ def run(config, workdir: str) -> dict:
         checkpointer.wait()
 
         policy = nnx.merge(graphdef, state.params)
-        with Executors(world.database_dir, timeout_s=config.eval.timeout_s) as executors:
-            summary, rows = greedy_ex(
-                policy, tokenizer, _holdout(config, world), executors, max_prompt_len=config.eval.max_prompt_len,
-                max_new_tokens=config.eval.max_new_tokens, stop_tokens=(stop,), batch_size=config.eval.batch_size)
+        rows = []
+        results = {"steps": total}
+        if config.eval.num_examples:  # 0: no end-of-run EX (caper_jax.reproduce evaluates separately)
+            with Executors(world.database_dir, timeout_s=config.eval.timeout_s) as executors:
+                summary, rows = greedy_ex(
+                    policy, tokenizer, _holdout(config, world), executors, max_prompt_len=config.eval.max_prompt_len,
+                    max_new_tokens=config.eval.max_new_tokens, stop_tokens=(stop,), batch_size=config.eval.batch_size)
+            results.update({"eval/greedy_ex": summary["ex"], "eval/executable": summary["executable"],
+                            "eval/n": summary["n"], "eval/excluded": summary["excluded"]})
+            multihost.log_main("greedy EX on %d held-out %s examples: %.3f (executable %.3f)", summary["n"],
+                               config.data.eval_split, summary["ex"], summary["executable"])
     checkpointer.close()
-    results = {"eval/greedy_ex": summary["ex"], "eval/executable": summary["executable"],
-               "eval/n": summary["n"], "eval/excluded": summary["excluded"], "steps": total}
-    writer.write(total, {k: v for k, v in results.items() if k.startswith("eval/")})
+    if "eval/n" in results:
+        writer.write(total, {k: v for k, v in results.items() if k.startswith("eval/")})
     writer.close()
-    multihost.log_main("greedy EX on %d held-out %s examples: %.3f (executable %.3f)", summary["n"],
-                       config.data.eval_split, summary["ex"], summary["executable"])
     if main:
         (workdir / "results.json").write_text(json.dumps(results, indent=1))
         with (workdir / "predictions_eval.jsonl").open("w") as f:

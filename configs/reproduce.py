@@ -1,0 +1,78 @@
+"""The miniature CAPER experiment, end to end (caper_jax/reproduce.py has the stages).
+
+Built-in default — 2 CPU cores, no downloads, about half an hour: the demo world; SFT of a tiny
+Qwen3.5-architecture policy; k samples per question; annotation; a Clause-PRM trained on the
+annotated samples; GRPO with sparse, token-level and clause-level (CAPER) rewards over several
+seeds at equal budgets; greedy EX, MV@k and PRM best-of-k of every policy; PRM root-cause
+localisation against the heuristic, random and execution-only baselines:
+
+    bash launch/reproduce_cpu.sh runs/reproduce
+    python -m caper_jax.train --config=configs/reproduce.py --workdir=runs/reproduce    # the same
+
+Writes ``results.md`` (the paper's three tables, mean ± std over seeds), ``results.json`` and plots
+to the workdir. Every stage resumes: rerunning the command after an interruption skips what is done.
+
+Variants (``:arg``, comma separated):
+    :full          the paper's scale: Qwen3.5-9B policy and PRM from --config.sft.model.hf_dir /
+                   --config.prm.model.hf_dir on Spider/BIRD-layout data in --config.data.dir (a pod job)
+    :seeds=N       GRPO seeds per variant (default 3)
+    :fast          a smoke run of every stage in a few minutes (tests use it); its numbers mean nothing
+
+The same pipeline at the paper's scale (one pod job; see README "Running at scale" for meshes):
+
+    python -m caper_jax.train --config=configs/reproduce.py:full --workdir=gs-fuse/caper_full \
+        --config.data.dir=/data/spider --config.sft.model.hf_dir=/ckpt/Qwen3.5-9B \
+        --config.prm.model.hf_dir=/ckpt/Qwen3.5-9B
+"""
+from ml_collections import ConfigDict
+
+from configs import eval as eval_config
+from configs import grpo as grpo_config
+from configs import prm as prm_config
+from configs import sft as sft_config
+from configs.common import parse_arg
+
+
+def get_config(arg: str | None = None) -> ConfigDict:
+    arg = parse_arg(arg, full=False, seeds=3, fast=False)
+    model = "qwen35_9b" if arg.full else "tiny"
+    c = ConfigDict()
+    c.trainer = "reproduce"
+    c.seed = 0                                  # world, SFT, samples, PRM and the evaluation's sampling keys
+    c.seeds = tuple(range(arg.seeds))           # GRPO seeds, one run per (variant, seed)
+    c.variants = ("sparse", "token", "clause")
+
+    c.data = ConfigDict()
+    c.data.kind = "spider" if arg.full else "demo"
+    c.data.dir = ""                            # Spider/BIRD layout (:full); demo: built in <workdir>/world
+
+    # k samples (eval.sampling.k) per training question of the SFT policy: the PRM's trajectories.
+    # The held-out samples of the SFT evaluation (eval.data.num_examples questions) are its test.
+    c.samples = ConfigDict()
+    c.samples.train_questions = 4000 if arg.full else 400
+
+    c.report = ConfigDict()
+    c.report.rerank = "min"                    # PRM aggregate of Table 3 (all of eval.prm.aggregates are saved)
+
+    c.sft = sft_config.get_config(f"model={model}")
+    c.prm = prm_config.get_config(f"model={model}")
+    c.grpo = grpo_config.get_config(f"model={model}")
+    c.eval = eval_config.get_config("big,k=8" if arg.full else "k=8,n=120")
+    # Each trainer's own end-of-run greedy EX is replaced by the common evaluation stage.
+    c.sft.eval.num_examples = 0
+    c.grpo.eval.num_examples = 0
+    c.sft.export_hf = c.grpo.export_hf = c.prm.export_hf = arg.full
+    if not arg.full:
+        c.sft.optim.total_steps = 600
+        c.prm.optim.total_steps = 300
+        c.grpo.optim.total_steps = 20
+        c.grpo.ckpt_every = 20
+    if arg.fast:
+        c.sft.optim.total_steps = 40
+        c.prm.optim.total_steps = 20
+        c.prm.eval_every = 10
+        c.grpo.optim.total_steps = 2
+        c.samples.train_questions = 12
+        c.eval.data.num_examples = 8
+        c.eval.sampling.k = 2
+    return c

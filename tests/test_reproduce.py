@@ -1,0 +1,117 @@
+"""The miniature-reproduction orchestrator (caper_jax/reproduce.py): wiring, report and config checks.
+
+The stages themselves are the trainers and the evaluator, tested in their own files; here the pieces
+only this module owns are checked against hand-computed values, and one run of every stage at toy
+size (``configs/reproduce.py:fast``) checks that the outputs are wired to the next stage's inputs.
+"""
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from caper_jax import reproduce
+from configs import reproduce as reproduce_config
+from tests.test_train_cli import run_train
+
+
+def test_summary_is_mean_and_sample_std():
+    out = reproduce.summary({"clause": [0.2, 0.3, 0.4], "sft": [0.25]})
+    assert out["clause"]["mean"] == pytest.approx(0.3)
+    assert out["clause"]["std"] == pytest.approx(0.1)          # sqrt(((.1)^2 + 0 + (.1)^2) / 2)
+    assert out["clause"]["values"] == [0.2, 0.3, 0.4]
+    assert out["sft"] == {"mean": 0.25, "std": 0.0, "values": [0.25]}
+
+
+def test_unique_keeps_first_occurrences_and_drops_empty():
+    assert reproduce.unique(["SELECT 1", "", "SELECT 2", "SELECT 1", "  "]) == ["SELECT 1", "SELECT 2"]
+
+
+def test_prm_data_links_the_world_and_holds_only_policy_samples(tmp_path):
+    world = tmp_path / "world"
+    (world / "database" / "db").mkdir(parents=True)
+    (world / "train.json").write_text("[]")
+    (world / "manifest.json").write_text("{}")
+    (world / "predictions_train.jsonl").write_text('{"pred": "simulated"}\n')
+    train_samples = tmp_path / "train.jsonl"
+    train_samples.write_text('{"db_id": "db", "question": "q", "gold": "SELECT 1", "pred": "SELECT 2"}\n')
+    eval_rows = tmp_path / "predictions.jsonl"
+    eval_rows.write_text(json.dumps({"db_id": "db", "question": "q2", "gold": "SELECT 3",
+                                     "samples": ["SELECT 3", "SELECT 4", "SELECT 3", ""]}) + "\n")
+    out = tmp_path / "prm_data"
+    reproduce.build_prm_data(world, train_samples, eval_rows, out, "train", "dev")
+
+    assert (out / "database").is_symlink() and (out / "database").resolve() == (world / "database").resolve()
+    assert (out / "train.json").read_text() == "[]"
+    assert not (out / "manifest.json").exists()   # the demo-world builder must not mistake it for a world
+    assert (out / "predictions_train.jsonl").read_text() == train_samples.read_text()
+    dev = [json.loads(line) for line in (out / "predictions_dev.jsonl").read_text().splitlines()]
+    assert [d["pred"] for d in dev] == ["SELECT 3", "SELECT 4"]
+    assert all(d["gold"] == "SELECT 3" and d["question"] == "q2" for d in dev)
+
+
+def _fake_stage_outputs(out: pathlib.Path, config) -> dict:
+    """results.json files as the PRM trainer and the evaluator write them, with chosen numbers."""
+    (out / "prm").mkdir(parents=True)
+    loc = {m: {"top1": t, "mrr": r, "n": 10, "per_clause": {"WHERE": {"top1": t, "mrr": r, "n": 10}},
+               "confusion": {}}
+           for m, t, r in [("prm", 0.6, 0.8), ("heuristic", 0.5, 0.7), ("random", 0.3, 0.55), ("execution", 0.2, 0.5)]}
+    (out / "prm" / "results.json").write_text(json.dumps(
+        {"metrics": {"eval/pair_accuracy": 0.9}, "localization": loc, "n_failures": 10}))
+    ex = {"sft": [0.1], "sparse": [0.2, 0.4], "token": [0.1, 0.1], "clause": [0.3, 0.5]}
+    for name, values in ex.items():
+        runs = ["sft"] if name == "sft" else [reproduce.run_name(name, s) for s in config.seeds]
+        for run, value in zip(runs, values):
+            d = out / "eval" / run
+            d.mkdir(parents=True)
+            metrics = {"greedy": value, "majority_vote": value + 0.05, "oracle": 0.9,
+                       "prm": {"min": value + 0.1, "mean": value, "last": value}}
+            (d / "results.json").write_text(json.dumps({"n": 40, "metrics": metrics}))
+        for s, value in zip(config.seeds if name != "sft" else (), values):
+            d = out / "grpo" / reproduce.run_name(name, s)
+            d.mkdir(parents=True)
+            (d / "metrics.jsonl").write_text("".join(
+                json.dumps({"step": step, "rollout/ex": value * step, "rollout/reward_mean": value}) + "\n"
+                for step in (1, 2)))
+    return ex
+
+
+def test_collect_and_report_from_stage_outputs(tmp_path):
+    config = reproduce_config.get_config("seeds=2")
+    ex = _fake_stage_outputs(tmp_path, config)
+    results = reproduce.collect(config, tmp_path)
+    results["seconds"] = {"sft": 12.0}
+    reproduce.write_report(config, results, tmp_path)
+
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["localization_top1"] == 0.6 and saved["localization_mrr"] == 0.8
+    assert saved["baselines"] == {"heuristic": {"top1": 0.5, "mrr": 0.7}, "random": {"top1": 0.3, "mrr": 0.55},
+                                  "execution": {"top1": 0.2, "mrr": 0.5}}
+    for name, values in ex.items():
+        assert saved["ex"][name]["mean"] == pytest.approx(np.mean(values))
+        assert saved["mv8"][name]["mean"] == pytest.approx(np.mean(values) + 0.05)
+        assert saved["rerank8"][name]["mean"] == pytest.approx(np.mean(values) + 0.1)   # report.rerank = min
+    assert saved["ex"]["sparse"]["std"] == pytest.approx(np.std([0.2, 0.4], ddof=1))
+    assert saved["curves"]["clause"]["rollout/ex"] == pytest.approx([0.4, 0.8])   # mean over seeds, per step
+    md = (tmp_path / "results.md").read_text()
+    assert "| Clause-PRM | 60.0 | 80.0 |" in md
+    assert "| GRPO, clause-level (CAPER) | 40.0 ± 14.1 |" in md
+    assert "| sparse | 35.0 | 40.0 | +5.0 |" in md
+    assert (tmp_path / "grpo_curves.png").stat().st_size > 0
+    assert (tmp_path / "localization_per_clause.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config=configs/reproduce.py", "--config.sft.optim.lrr=1"],
+     "unknown config key 'sft.optim.lrr'; did you mean ['sft.optim.lr'"),
+    (["--config=configs/reproduce.py", "--config.report.rerank=max"], "report.rerank='max' is not in"),
+    (["--config=configs/reproduce.py", "--config.grpo.rl.group_size=0"], "grpo."),
+    (["--config=configs/reproduce.py:seeds=0"], "seeds=() must be non-empty"),
+    (["--config=configs/reproduce.py", "--config.eval.sampling.k=1"], "eval.sampling.k must be >= 2"),
+])
+def test_bad_reproduce_config_is_one_clear_error(args, message, tmp_path):
+    result = run_train(*args, tmp_path=tmp_path)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "w").exists()
