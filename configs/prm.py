@@ -37,7 +37,15 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.data.eval_split = "dev"
     c.data.max_len = 384 if arg.model != "qwen35_9b" else 2048
     c.data.bucket_lengths = (128, 192, 384) if arg.model != "qwen35_9b" else (512, 1024, 2048)
-    c.data.batch_size = 16 if arg.model != "qwen35_9b" else 64     # global, in pairs
+    c.data.batch_size = {"tiny": 8, "small": 16}.get(arg.model, 64)   # global, in pairs
+    # Within-trajectory tuples of one negative query share ONE forward pass of that query (same loss,
+    # fewer sequences; docs/pipeline.md "Within-trajectory groups"): this many negatives per global
+    # batch, next to batch_size pairs of the other tuples. 0: within tuples are ordinary pairs.
+    # tiny: 8 pairs + 16 groups = 32 sequences per step, as 16 plain pairs, but ~45 pairs instead of 16.
+    c.data.within_batch_size = 16 if arg.model == "tiny" else 0
+    # Tuples from counterfactual repair of real predictions (provenance counterfactual, within:counterfactual)
+    # appear this many times per epoch; fault-injection tuples once (docs/pipeline.md).
+    c.data.counterfactual_repeat = 3 if arg.data == "demo" else 1
     c.data.eval_batch_size = 32
     c.data.max_eval_tuples = 512
     c.data.demo_train_size = 1200           # demo world questions (train); dev is built alongside

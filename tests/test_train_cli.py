@@ -19,6 +19,10 @@ def run_train(*args: str, tmp_path) -> subprocess.CompletedProcess:
     (["--config=configs/prm.py:modle=tiny"], "unknown config arg 'modle'"),
     (["--config=configs/prm.py", "--config.data.kind=bird"], "data.kind='bird'; expected 'demo' or 'spider'"),
     (["--config=configs/prm.py", "--config.loss.form=hinge"], "loss form 'hinge'"),
+    (["--config=configs/prm.py", "--config.data.within_batch_size=-4"],
+     "data.within_batch_size=-4 must be >= 0"),
+    (["--config=configs/prm.py", "--config.data.counterfactual_repeat=0"],
+     "data.counterfactual_repeat=0 must be >= 1"),
     (["--config=configs/prm.py", "--config.mesh_shape.fsdp=3"], "mesh shape (1, 3, 1) needs 3 devices"),
 ])
 def test_bad_config_is_one_clear_error(args, message, tmp_path):

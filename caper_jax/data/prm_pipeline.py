@@ -24,6 +24,17 @@ Design (docs/pipeline.md has the full story):
   sequence is exactly the first tokens of the evaluation sequence that ``score_batch`` builds for
   the whole query. Too long: tokens are dropped from the LEFT (prompt first, then the SQL prefix);
   the clause itself is never cut (``ClauseTooLongError``).
+* **Within-trajectory groups** (``within_batch_size > 0``). Both sides of a within-trajectory tuple
+  (``provenance`` ``within:*``) are prefixes of the same negative query, and the PRM is causal, so
+  one forward pass of ``prompt ++ negative_sql`` scores all of them at once (the evaluation's
+  ``score_batch`` encoding). The within tuples of one negative (same root state) form a *group*:
+  a row ``group_ids`` [G, L] with ``group_pos`` [G, K] (slot 0 = the root state, slot k = the
+  chosen state of the group's k-th tuple) and ``group_margin`` [G, K] (slot 0 and padding: 0). The
+  loss over a group's slots is the same pair loss as over its tuples; only the forward passes are
+  shared (2 per tuple become 1 per negative). Groups have their own global plan (same ``epoch_plan``
+  over group lengths, ``within_batch_size`` per step) that cycles independently of the pair plan;
+  a step's length is the longer of the two buckets. A within tuple that is not a prefix pair of its
+  ``negative_sql``, or whose group does not fit the longest bucket, stays an ordinary pair.
 """
 
 from __future__ import annotations
@@ -48,6 +59,8 @@ BATCH_KEYS = (
     "chosen_ids", "chosen_mask", "chosen_pos", "rejected_ids", "rejected_mask", "rejected_pos",
     "margin", "clause_id", "weight", "record_index",
 )
+GROUP_KEYS = ("group_ids", "group_mask", "group_pos", "group_margin", "group_weight")
+WITHIN_PROVENANCE = "within:"
 # clause_id: index into caper_jax.sql.clauses.CLAUSE_NAMES (0..6); every compound operator unit
 # (UNION, UNION ALL, INTERSECT, EXCEPT) shares COMPOUND_CLAUSE_ID; a WITH unit gets WITH_CLAUSE_ID.
 COMPOUND_CLAUSE_ID = 7
@@ -347,25 +360,65 @@ class _HostBatchLoader:
 
     def __init__(self, records: Records, encoder: ClauseEncoder, buckets: np.ndarray,
                  bucket_lengths: tuple[int, ...], global_batch_size: int, seed: int,
-                 rows: slice, steps_per_epoch: int, pad_id: int):
+                 rows: slice, steps_per_epoch: int, pad_id: int, pair_indices: np.ndarray,
+                 groups: Sequence[WithinGroup] = (), group_buckets: np.ndarray | None = None,
+                 group_batch_size: int = 0, group_rows: slice = slice(0, 0), group_slots: int = 0):
         self.records, self.encoder, self.buckets = records, encoder, buckets
         self.bucket_lengths, self.global_batch_size, self.seed = bucket_lengths, global_batch_size, seed
         self.rows, self.steps_per_epoch, self.pad_id = rows, steps_per_epoch, pad_id
-        self._plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.pair_indices = pair_indices     # plan row -> record index (all records without groups)
+        self.groups, self.group_buckets, self.group_batch_size = groups, group_buckets, group_batch_size
+        self.group_rows, self.group_slots = group_rows, group_slots
+        self.group_encoder = GroupEncoder(encoder)
+        self._plans: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         self._lock = threading.Lock()
 
-    def plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    def plan(self, epoch: int, kind: str = "pairs") -> tuple[np.ndarray, np.ndarray]:
         with self._lock:  # Grain reads steps from several threads
-            if epoch not in self._plans:
-                if len(self._plans) >= 2:
-                    self._plans.pop(min(self._plans))
-                self._plans[epoch] = epoch_plan(self.buckets, self.global_batch_size, self.seed, epoch)
-            return self._plans[epoch]
+            key = (kind, epoch)
+            if key not in self._plans:
+                if len(self._plans) >= 4:
+                    self._plans.pop(min(self._plans, key=lambda k: k[1]))
+                buckets, size = ((self.buckets, self.global_batch_size) if kind == "pairs"
+                                 else (self.group_buckets, self.group_batch_size))
+                self._plans[key] = epoch_plan(buckets, size, self.seed, epoch)
+            return self._plans[key]
 
     def __call__(self, index: int, step: int) -> dict[str, np.ndarray]:
-        rows, batch_bucket = self.plan(index // self.steps_per_epoch)
-        length = self.bucket_lengths[batch_bucket[step]]
-        return self.load(rows[step, self.rows], length)
+        if len(self.buckets):
+            rows, batch_bucket = self.plan(index // self.steps_per_epoch)
+            plan_rows, bucket = rows[step, self.rows], int(batch_bucket[step])
+        else:  # every record is in a group: the pair half of each batch is padding
+            plan_rows, bucket = np.full(self.rows.stop - self.rows.start, -1), 0
+        record_indices = (np.where(plan_rows >= 0, self.pair_indices[np.maximum(plan_rows, 0)], -1)
+                          if len(self.pair_indices) else plan_rows)
+        if not self.group_batch_size:
+            return self.load(record_indices, self.bucket_lengths[bucket])
+        # Groups cycle through their own plan, indexed by the global step (one integer of state).
+        group_steps = -(-len(self.group_buckets) // self.group_batch_size)
+        group_plan, group_bucket = self.plan(index // group_steps, "groups")
+        length = self.bucket_lengths[max(bucket, int(group_bucket[index % group_steps]))]
+        batch = self.load(record_indices, length)
+        batch.update(self.load_groups(group_plan[index % group_steps, self.group_rows], length))
+        return batch
+
+    def load_groups(self, group_indices: np.ndarray, length: int) -> dict[str, np.ndarray]:
+        size, slots = len(group_indices), self.group_slots
+        batch = {"group_ids": np.full((size, length), self.pad_id, np.int32),
+                 "group_mask": np.zeros((size, length), np.int32),
+                 "group_pos": np.full((size, slots), -1, np.int32),
+                 "group_margin": np.zeros((size, slots), np.float32),
+                 "group_weight": np.zeros(size, np.float32)}
+        batch["group_mask"][:, 0] = 1  # padding rows keep one visible token (NaN-free attention)
+        real = [(row, int(g)) for row, g in enumerate(group_indices) if g >= 0]
+        encoded = self.group_encoder.encode([self.groups[g] for _, g in real])
+        for (row, g), (ids, pos) in zip(real, encoded):
+            batch["group_ids"][row, : len(ids)] = ids
+            batch["group_mask"][row, : len(ids)] = 1
+            batch["group_pos"][row, : len(pos)] = pos
+            batch["group_margin"][row, 1 : len(pos)] = self.groups[g].margins
+            batch["group_weight"][row] = 1.0
+        return batch
 
     def load(self, record_indices: np.ndarray, length: int) -> dict[str, np.ndarray]:
         size = len(record_indices)
@@ -396,13 +449,82 @@ class _HostBatchLoader:
         return batch
 
 
+@dataclasses.dataclass(frozen=True)
+class WithinGroup:
+    """The within-trajectory tuples of one negative query with one root state (module docstring)."""
+
+    question: str
+    schema: str
+    sql: str                         # the negative query; every state is a prefix of it
+    root_end: int                    # character end of the root (rejected) state in ``sql``
+    chosen_ends: tuple[int, ...]     # character end of each tuple's chosen state
+    margins: tuple[float, ...]
+    records: tuple[int, ...]         # record index of each tuple
+
+
+def _state_end(sql: str, prefix: str, clause: str) -> int | None:
+    """End of ``join_sql(prefix, clause)`` in ``sql`` if that state is a prefix of ``sql``, else None."""
+    text = join_sql(prefix, clause)
+    return len(text) if text.strip() and sql.startswith(text) else None
+
+
+def within_groups(records: Records) -> tuple[list[WithinGroup], list[int]]:
+    """(groups of within-trajectory tuples, indices of the records that stay pairs).
+
+    A record joins a group iff its provenance is ``within:*``, it carries ``negative_sql``, and both
+    of its states are prefixes of that query; the group key is (question, schema, negative query,
+    root end). Groups and their tuples keep first-seen record order.
+    """
+    groups: dict[tuple[str, str, str, int], list[tuple[int, float, int]]] = {}  # (chosen end, margin, index)
+    pairs = []
+    for index in range(len(records)):
+        rec = records[index]
+        sql = rec.get("negative_sql")
+        if not (str(rec.get("provenance", "")).startswith(WITHIN_PROVENANCE) and isinstance(sql, str)):
+            pairs.append(index)
+            continue
+        root = _state_end(sql, rec["prefix_rejected"], rec["rejected"])
+        chosen = _state_end(sql, rec["prefix_chosen"], rec["chosen"])
+        if root is None or chosen is None:
+            pairs.append(index)
+            continue
+        groups.setdefault((rec["question"], rec["schema"], sql, root), []).append(
+            (chosen, float(rec["margin"]), index))
+    out = [WithinGroup(question, schema, sql, root, tuple(c for c, _, _ in members),
+                       tuple(m for _, m, _ in members), tuple(i for _, _, i in members))
+           for (question, schema, sql, root), members in groups.items()]
+    return out, pairs
+
+
+class GroupEncoder:
+    """``prompt ++ sql`` of each group, tokenised as ``score_batch`` does, with every state's last token."""
+
+    def __init__(self, encoder: ClauseEncoder):
+        self.encoder = encoder
+
+    def encode(self, groups: Sequence[WithinGroup]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids, positions) per group; positions[0] is the root state's, then one per tuple. Not truncated."""
+        if not groups:
+            return []
+        tokens = _token_ids(self.encoder.tokenizer, [g.sql for g in groups], offsets=True)
+        prompts = self.encoder.prompt_ids([(g.question, g.schema) for g in groups])
+        out = []
+        for group, ids, offsets, prompt in zip(groups, tokens["input_ids"], tokens["offset_mapping"], prompts):
+            starts = [start for start, _ in offsets]
+            ends = (group.root_end,) + group.chosen_ends
+            pos = [len(prompt) + bisect.bisect_left(starts, end) - 1 for end in ends]
+            out.append((np.concatenate([prompt, np.asarray(ids, np.int32)]), np.asarray(pos, np.int32)))
+        return out
+
+
 def pair_lengths(records: Records, encoder: ClauseEncoder, chunk: int = 1024) -> np.ndarray:
     """max(len(chosen sequence), len(rejected sequence)) per record, after truncation."""
     lengths = np.zeros(len(records), np.int32)
+    names = getattr(records, "indices", None)  # a _Subset names its rows by their record index
     for start in range(0, len(records), chunk):
         indices = range(start, min(start + chunk, len(records)))
         sides = [_side(rec, side) for rec in map(records.__getitem__, indices) for side in ("chosen", "rejected")]
-        encoded = encoder.encode(sides, [i for i in indices for _ in range(2)])
+        encoded = encoder.encode(sides, [i if names is None else int(names[i]) for i in indices for _ in range(2)])
         lengths[start: start + len(indices)] = [max(len(a), len(b)) for a, b in zip(encoded[::2], encoded[1::2])]
     return lengths
 
@@ -430,6 +552,8 @@ class PrmPipeline:
     num_records: int
     bucket_lengths: tuple[int, ...]
     host_batch_size: int
+    num_groups: int = 0               # group rows per cycle of the group plan (repeats included)
+    host_group_batch_size: int = 0    # this host's group rows per batch (0: no GROUP_KEYS)
 
     def iterator(self, num_threads: int = 2, prefetch: int = 4) -> grain.DatasetIterator:
         """Prefetching iterator with get_state()/set_state() (state = next step index)."""
@@ -450,15 +574,27 @@ def prm_pipeline(
     process_count: int = 1,
     prompt_fn: PromptFn | None = None,
     pad_id: int | None = None,
+    within_batch_size: int = 0,
+    counterfactual_repeat: int = 1,
 ) -> PrmPipeline:
     """Builds the host's PRM batch dataset. ``num_epochs=None`` repeats forever (new order per epoch).
 
     ``process_index``/``process_count`` are passed in (normally ``jax.process_index()`` and
     ``jax.process_count()``): host ``p`` gets rows ``[p * B, (p + 1) * B)`` of every global batch,
     ``B = global_batch_size // process_count``, the layout ``caper_jax.parallel.multihost.host_local_to_global`` expects.
+    ``within_batch_size > 0``: within-trajectory tuples are batched as groups, that many per global
+    batch (``GROUP_KEYS``, module docstring); the pair rows then hold the other tuples. An epoch is
+    one pass over the pair rows (over the groups if there are no others).
+    ``counterfactual_repeat = n``: tuples from counterfactual repair of real predictions (provenance
+    ``counterfactual`` / ``within:counterfactual``) appear n times per epoch, fault-injection ones once.
     """
+    if counterfactual_repeat < 1:
+        raise ValueError(f"counterfactual_repeat={counterfactual_repeat} must be >= 1")
     if global_batch_size < 1 or process_count < 1 or global_batch_size % process_count:
         raise ValueError(f"global_batch_size={global_batch_size} must be a positive multiple of "
+                         f"process_count={process_count}")
+    if within_batch_size < 0 or within_batch_size % process_count:
+        raise ValueError(f"within_batch_size={within_batch_size} must be 0 or a positive multiple of "
                          f"process_count={process_count}")
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index={process_index} not in [0, {process_count})")
@@ -471,15 +607,54 @@ def prm_pipeline(
     if len(records) == 0:
         raise PipelineError("no preference records")
     encoder = ClauseEncoder(tokenizer, max_len, prompt_fn)
-    buckets = bucket_index(pair_lengths(records, encoder), ladder)
-    steps_per_epoch = -(-len(records) // global_batch_size)
+    groups, pair_indices = within_groups(records) if within_batch_size else ([], list(range(len(records))))
+    group_lengths, slots = np.zeros(0, np.int32), 0
+    if groups:
+        encoded = GroupEncoder(encoder).encode(groups)
+        fits = [len(ids) <= ladder[-1] for ids, _ in encoded]
+        # A group longer than the longest bucket would need truncation: its tuples stay pairs.
+        pair_indices = sorted(pair_indices + [i for g, ok in zip(groups, fits) if not ok for i in g.records])
+        kept = [(g, len(ids)) for g, (ids, _), ok in zip(groups, encoded, fits) if ok]
+        kept += [(g, n) for g, n in kept if _is_counterfactual(records[g.records[0]])] * (counterfactual_repeat - 1)
+        groups = [g for g, _ in kept]
+        group_lengths = np.asarray([n for _, n in kept], np.int32)
+        slots = max((1 + len(g.records) for g in groups), default=0)
+        slots = -(-slots // 8) * 8  # few shapes for jit
+    if counterfactual_repeat > 1:
+        pair_indices = list(pair_indices) + [i for i in pair_indices if _is_counterfactual(records[i])] * (
+            counterfactual_repeat - 1)
+    pair_indices = np.asarray(pair_indices, np.int64)
+    pair_records = _Subset(records, pair_indices)
+    buckets = bucket_index(pair_lengths(pair_records, encoder), ladder)
+    group_buckets = bucket_index(group_lengths, ladder)
+    within = within_batch_size if groups else 0
+    steps_per_epoch = -(-len(pair_indices) // global_batch_size) or -(-len(groups) // max(within, 1))
     host_batch = global_batch_size // process_count
+    host_groups = within // process_count
     loader = _HostBatchLoader(
         records, encoder, buckets, ladder, global_batch_size, seed,
         slice(process_index * host_batch, (process_index + 1) * host_batch), steps_per_epoch,
-        resolve_pad_id(tokenizer, pad_id))
+        resolve_pad_id(tokenizer, pad_id), pair_indices, groups, group_buckets, within,
+        slice(process_index * host_groups, (process_index + 1) * host_groups), slots)
     dataset = grain.MapDataset.range(steps_per_epoch).repeat(num_epochs).map_with_index(loader)
-    return PrmPipeline(dataset, steps_per_epoch, len(records), ladder, host_batch)
+    return PrmPipeline(dataset, steps_per_epoch, len(records), ladder, host_batch, len(groups), host_groups)
+
+
+def _is_counterfactual(record: Mapping[str, Any]) -> bool:
+    return str(record.get("provenance", "")).removeprefix(WITHIN_PROVENANCE) == "counterfactual"
+
+
+class _Subset:
+    """``records[indices[i]]`` by ``i`` (the records a plan covers)."""
+
+    def __init__(self, records: Records, indices: np.ndarray):
+        self.records, self.indices = records, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.records[int(self.indices[i])]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Jitted Clause-PRM steps: pure functions of (state, batch).
 
 ``train_step`` scores the chosen and rejected sides of a batch of preference tuples in ONE forward pass
-(the two halves are concatenated along the batch), applies the pair loss of ``caper_jax.prm.loss`` and an
+(the two halves, and any within-trajectory group rows, are concatenated along the batch), applies the pair loss of ``caper_jax.prm.loss`` and an
 optax AdamW update. A step whose loss or gradient is not finite is refused inside the jitted function —
 parameters and optimizer state stay as they were — and ``state.nonfinite`` counts such refusals in a row
 so the host loop can stop a run that keeps producing them.
@@ -69,11 +69,38 @@ def _pair_scores(graphdef, params, batch):
     return scores[:n], scores[n:]
 
 
+def _all_pairs(graphdef, params, batch):
+    """(r_chosen, r_rejected, margin, weight) of every pair of a training batch, in one forward pass.
+
+    Without ``group_*`` keys these are the tuple rows. With them (``prm_pipeline(within_batch_size>0)``)
+    the group rows join the same forward pass and each group contributes its within-trajectory pairs,
+    slot k > 0 (chosen) against slot 0 (the root state), with the margins ``group_margin[:, k]``;
+    empty slots (margin 0) and padding groups get weight 0.
+    """
+    if "group_ids" not in batch:
+        r_pos, r_neg = _pair_scores(graphdef, params, batch)
+        return r_pos, r_neg, batch["margin"], batch["weight"]
+    model = nnx.merge(graphdef, params)
+    n = batch["chosen_ids"].shape[0]
+    slots = batch["group_pos"].shape[1]
+    ids = jnp.concatenate([batch["chosen_ids"], batch["rejected_ids"], batch["group_ids"]])
+    mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"], batch["group_mask"]])
+    pair_pos = jnp.concatenate([batch["chosen_pos"], batch["rejected_pos"]])
+    pair_pos = jnp.concatenate([pair_pos[:, None], jnp.full((2 * n, slots - 1), -1, pair_pos.dtype)], axis=1)
+    scores = model(ids, mask, jnp.concatenate([pair_pos, batch["group_pos"]]))      # [2n + G, K]
+    group = scores[2 * n:]
+    margin = batch["group_margin"][:, 1:]
+    group_weight = batch["group_weight"][:, None] * (margin > 0)
+    return (jnp.concatenate([scores[:n, 0], group[:, 1:].reshape(-1)]),
+            jnp.concatenate([scores[n:2 * n, 0], jnp.broadcast_to(group[:, :1], margin.shape).reshape(-1)]),
+            jnp.concatenate([batch["margin"], margin.reshape(-1)]),
+            jnp.concatenate([batch["weight"], group_weight.reshape(-1)]))
+
+
 def train_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientTransformation,
                loss_cfg: PairLossConfig) -> tuple[TrainState, dict]:
     def loss_fn(params):
-        r_pos, r_neg = _pair_scores(graphdef, params, batch)
-        return pairwise_loss(r_pos, r_neg, batch["margin"], batch["weight"], loss_cfg)
+        return pairwise_loss(*_all_pairs(graphdef, params, batch), loss_cfg)
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     grad_norm = optax.tree.norm(grads)

@@ -100,6 +100,11 @@ def validate(config) -> None:
     buckets = tuple(config.data.bucket_lengths)
     if list(buckets) != sorted(buckets) or buckets[-1] > config.data.max_len:
         raise ValueError(f"data.bucket_lengths={buckets} must be increasing and <= data.max_len")
+    if config.data.within_batch_size < 0 or config.data.within_batch_size % jax.process_count():
+        raise ValueError(f"data.within_batch_size={config.data.within_batch_size} must be >= 0 and a "
+                         f"multiple of the process count {jax.process_count()}")
+    if config.data.counterfactual_repeat < 1:
+        raise ValueError(f"data.counterfactual_repeat={config.data.counterfactual_repeat} must be >= 1")
     if config.optim.total_steps < 1 or config.optim.lr <= 0:
         raise ValueError("optim.total_steps must be >= 1 and optim.lr > 0")
     for key in ("log_every", "eval_every", "ckpt_every"):
@@ -161,9 +166,11 @@ def run(config, workdir: str) -> dict:
     pipeline = pipe_lib.prm_pipeline(
         pipe_lib.JsonlSource(train_path), tokenizer, global_batch_size=config.data.batch_size,
         max_len=config.data.max_len, bucket_lengths=config.data.bucket_lengths, seed=config.seed,
-        num_epochs=None, process_index=jax.process_index(), process_count=jax.process_count())
+        num_epochs=None, process_index=jax.process_index(), process_count=jax.process_count(),
+        within_batch_size=config.data.within_batch_size, counterfactual_repeat=config.data.counterfactual_repeat)
     data_iter = pipeline.iterator()
-    multihost.log_main("training tuples: %d (%d steps per epoch)", pipeline.num_records, pipeline.steps_per_epoch)
+    multihost.log_main("training tuples: %d (%d within-trajectory groups; %d steps per epoch)",
+                       pipeline.num_records, pipeline.num_groups, pipeline.steps_per_epoch)
 
     # Resume from the newest whole checkpoint, data position included.
     checkpointer = ckpt_lib.Checkpointer(workdir / "checkpoints", max_to_keep=config.ckpt_keep,
@@ -240,6 +247,13 @@ def dry_run(config) -> dict:
     batch = {"chosen_ids": ids, "chosen_mask": ids, "chosen_pos": vec(jnp.int32), "rejected_ids": ids,
              "rejected_mask": ids, "rejected_pos": vec(jnp.int32), "margin": vec(jnp.float32),
              "weight": vec(jnp.float32), "clause_id": vec(jnp.int32)}
+    if config.data.within_batch_size:  # group rows; 8 slots (the pipeline rounds slots up to 8s)
+        g = config.data.within_batch_size
+        batch |= {"group_ids": jax.ShapeDtypeStruct((g, length), jnp.int32, sharding=batch_sharding(2)),
+                  "group_mask": jax.ShapeDtypeStruct((g, length), jnp.int32, sharding=batch_sharding(2)),
+                  "group_pos": jax.ShapeDtypeStruct((g, 8), jnp.int32, sharding=batch_sharding(2)),
+                  "group_margin": jax.ShapeDtypeStruct((g, 8), jnp.float32, sharding=batch_sharding(2)),
+                  "group_weight": jax.ShapeDtypeStruct((g,), jnp.float32, sharding=batch_sharding(1))}
     train_step, _, _ = step_lib.jit_steps(graphdef, tx, loss_config(config))
     print(f"Clause-PRM train step: preset {config.model.preset}, global batch {b} pairs x {length} tokens, "
           f"remat {config.model.remat}, params {config.model.param_dtype}, compute {config.model.dtype}")

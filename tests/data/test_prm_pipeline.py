@@ -317,3 +317,104 @@ def test_score_batch_truncation_drops_only_clauses_that_fall_off(tokenizer):
     expected[full["clause_pos"] < 0] = -1
     np.testing.assert_array_equal(cut["clause_pos"], expected)
     assert cut["clause_pos"][0, 0] == -1 and cut["clause_pos"][0, 4] >= 0  # SELECT fell off, LIMIT kept
+
+
+def make_within_tuples() -> list[dict]:
+    """Within-trajectory tuples as the annotator writes them: every clause of a query against one root
+    clause of it (both states cut from ``negative_sql``), plus two ordinary mutation tuples."""
+    out = []
+    for q, sql in enumerate(SQLS):
+        units = split_clauses(sql)
+        root = units[q % len(units)]
+        for k, unit in enumerate(units):
+            if unit is root:
+                continue
+            out.append(dict(
+                question=f"Which singers, case {q}?", db_id="concert_singer", schema=SCHEMAS[q % 2],
+                clause=root.name, prefix_chosen=sql[: unit.start], chosen=unit.text,
+                prefix_rejected=sql[: root.start], rejected=root.text, margin=0.25 + 0.1 * k,
+                provenance="within:test", gold_sql=sql, negative_sql=sql))
+    return out + make_tuples(2, seed=5)
+
+
+def test_within_groups_score_each_tuple_on_a_prefix_of_one_sequence(tokenizer):
+    tuples = make_within_tuples()
+    n_within = len(tuples) - 2
+    pipeline = build(tuples, tokenizer, global_batch_size=2, within_batch_size=3, num_epochs=None)
+    # 7 negatives -> 7 groups; the 2 mutation tuples are the pair rows (1 step per epoch).
+    assert pipeline.num_groups == len(SQLS) and pipeline.steps_per_epoch == 1
+    assert pipeline.host_group_batch_size == 3
+    encoder = pp.ClauseEncoder(tokenizer, 192, prompt_fn)
+    seen = []
+    for step in range(3):  # 7 groups in 3s: 3 steps of the group plan, the last with 2 padding rows
+        batch = pipeline.dataset[step]
+        assert set(batch) == set(pp.BATCH_KEYS) | set(pp.GROUP_KEYS)
+        assert sorted(batch["record_index"]) == [n_within, n_within + 1]
+        assert batch["group_ids"].shape[1] == batch["chosen_ids"].shape[1] and batch["group_pos"].shape[1] == 8
+        for row in range(3):
+            if batch["group_weight"][row] == 0:  # padding group: inert
+                assert batch["group_mask"][row].sum() == 1 and (batch["group_pos"][row] == -1).all()
+                assert (batch["group_margin"][row] == 0).all()
+                continue
+            ids, pos, margin = batch["group_ids"][row], batch["group_pos"][row], batch["group_margin"][row]
+            members = [t for t in tuples[:n_within]
+                       if tokenizer.decode(ids[: pos[0] + 1]) == prompt_fn(t["question"], t["schema"])
+                       + t["prefix_rejected"] + t["rejected"]]
+            assert len(members) == (pos >= 0).sum() - 1 and margin[0] == 0
+            for k, t in enumerate(members, start=1):
+                # Slot k is exactly the token sequence the pair pipeline builds for the chosen side,
+                # slot 0 the one it builds for the rejected (root) side; the margin is the tuple's.
+                (chosen,) = encoder.encode([pp._side(t, "chosen")])
+                (rejected,) = encoder.encode([pp._side(t, "rejected")])
+                np.testing.assert_array_equal(ids[: pos[k] + 1], chosen)
+                np.testing.assert_array_equal(ids[: pos[0] + 1], rejected)
+                assert margin[k] == np.float32(t["margin"])
+            assert (margin[len(members) + 1:] == 0).all()
+            seen += [tuples.index(t) for t in members]
+    assert sorted(seen) == list(range(n_within))  # each within tuple in exactly one group per cycle
+
+
+def test_only_within_tuples_give_padding_pair_rows_and_an_epoch_of_groups(tokenizer):
+    pipeline = build(make_within_tuples()[:-2], tokenizer, global_batch_size=2, within_batch_size=3)
+    assert pipeline.steps_per_epoch == 3 and len(pipeline.dataset) == 3  # ceil(7 groups / 3)
+    batches = all_batches(pipeline)
+    assert all((b["weight"] == 0).all() and (b["record_index"] == -1).all() for b in batches)
+    assert sum(b["group_weight"].sum() for b in batches) == 7
+
+
+def test_within_tuples_that_are_not_prefixes_of_their_query_stay_pairs(tokenizer):
+    tuples = make_within_tuples()
+    tuples[0] = dict(tuples[0], negative_sql="SELECT something else")
+    pipeline = build(tuples, tokenizer, global_batch_size=3, within_batch_size=3)
+    rows = np.concatenate([pipeline.dataset[s]["record_index"] for s in range(pipeline.steps_per_epoch)])
+    assert sorted(rows[rows >= 0]) == [0, len(tuples) - 2, len(tuples) - 1]
+    with pytest.raises(ValueError, match="within_batch_size=3 must be 0 or a positive multiple"):
+        build(tuples, tokenizer, global_batch_size=2, within_batch_size=3, process_count=2)
+
+
+def test_counterfactual_tuples_repeat_per_epoch(tokenizer):
+    tuples = make_within_tuples()  # 7 within groups of 7 queries, then 2 mutation tuples
+    n_within = len(tuples) - 2
+    first = [i for i, t in enumerate(tuples) if t["negative_sql"] == SQLS[0]]  # query 0's within tuples
+    for i in first:
+        tuples[i] = dict(tuples[i], provenance="within:counterfactual")
+    tuples[-1] = dict(tuples[-1], provenance="counterfactual")
+    # Pairs: mutation tuple once, counterfactual tuple 3 times -> 4 rows, 2 steps of 2 per epoch.
+    pipeline = build(tuples, tokenizer, global_batch_size=2, within_batch_size=3, counterfactual_repeat=3,
+                     num_epochs=None)
+    assert pipeline.steps_per_epoch == 2 and pipeline.num_groups == 7 + 2  # query 0's group 3 times
+    rows = np.concatenate([pipeline.dataset[s]["record_index"] for s in range(2)])
+    assert sorted(rows.tolist()) == [n_within, n_within + 1, n_within + 1, n_within + 1]
+    # One cycle of the group plan: 9 group rows in 3 steps of 3; query 0's root state in 3 of them.
+    encoder = pp.ClauseEncoder(tokenizer, 192, prompt_fn)
+    (root0,) = encoder.encode([pp._side(tuples[first[0]], "rejected")])
+    hits = 0
+    for step in range(3):
+        batch = pipeline.dataset[step]
+        for row in np.flatnonzero(batch["group_weight"]):
+            pos = batch["group_pos"][row, 0]
+            hits += pos + 1 == len(root0) and (batch["group_ids"][row, : pos + 1] == root0).all()
+    assert hits == 3
+    assert build(tuples, tokenizer, global_batch_size=2).steps_per_epoch == -(-len(tuples) // 2)  # default 1
+    with pytest.raises(ValueError, match="counterfactual_repeat=0 must be >= 1"):
+        build(tuples, tokenizer, counterfactual_repeat=0)

@@ -88,3 +88,32 @@ def test_weight_decay_skips_norms(setup):
     norms = [k for k in flat if "norm" in k]
     assert norms and not any(flat[k] for k in norms)
     assert any(flat[k] for k in flat if "embed_tokens" in k)
+
+
+def test_within_groups_give_the_loss_of_their_tuples_as_pairs():
+    """The same tuples, batched as pairs or with within-trajectory groups (one forward per negative
+    query): same pairs, same scores, so the same loss and accuracy before the update."""
+    from tests.data.test_prm_pipeline import make_tokenizer, make_within_tuples, prompt_fn
+    from caper_jax.data.prm_pipeline import prm_pipeline
+
+    tokenizer = make_tokenizer()
+    tuples = make_within_tuples()
+    config = Qwen35Config.tiny(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=4)
+    graphdef, params = nnx.split(ClausePRM(config, rngs=nnx.Rngs(1)))
+    tx = make_optimizer(OPTIM)
+    train, _, _ = jit_steps(graphdef, tx, PairLossConfig())
+    common = dict(max_len=192, bucket_lengths=(192,), prompt_fn=prompt_fn)
+    as_pairs = prm_pipeline(tuples, tokenizer, global_batch_size=len(tuples), **common).dataset[0]
+    grouped = prm_pipeline(tuples, tokenizer, global_batch_size=2, within_batch_size=8, **common).dataset[0]
+    assert grouped["group_weight"].sum() == 7 and grouped["weight"].sum() == 2
+    # 2 + (tuples - 2) pair rows vs 2 pair rows (4 sequences) + 7 group rows.
+    assert (grouped["group_margin"] > 0).sum() == len(tuples) - 2
+    metrics = []
+    for batch in (as_pairs, grouped):
+        state = init_state(jax.tree.map(jnp.copy, params), tx)
+        _, m = train(state, {k: v for k, v in batch.items() if k != "record_index"})
+        metrics.append(m)
+    np.testing.assert_allclose(float(metrics[1]["loss"]), float(metrics[0]["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics[1]["accuracy"]), float(metrics[0]["accuracy"]), rtol=1e-6)
+    np.testing.assert_allclose(float(metrics[1]["margin_gap"]), float(metrics[0]["margin_gap"]), rtol=1e-4)
