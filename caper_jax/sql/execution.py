@@ -175,6 +175,8 @@ class Executor:
             sql.encode("utf-8")
         except UnicodeEncodeError as error:
             return ExecResult(error_kind="decode", error=f"SQL is not valid Unicode: {error}")
+        if "\x00" in sql:  # sqlite3 refuses it with a ValueError; a sampled completion can hold one
+            return ExecResult(error_kind="parse", error="SQL contains a NUL character")
         if not sqlite3.complete_statement(sql + ";"):
             return ExecResult(error_kind="parse", error="incomplete SQL statement")
         try:

@@ -60,6 +60,7 @@ HOSTILE = [
     (" ;\n", "empty"),
     ("SELEC Name FROM singer", "parse"),
     ("SELECT 'unterminated", "parse"),
+    ("SELECT Name FROM singer\x00", "parse"),   # a sampled completion held one; sqlite3 raises ValueError
     ("SELECT nope FROM singer", "runtime"),
 ]
 
