@@ -415,11 +415,35 @@ def write_report(config: ConfigDict, results: dict, out: pathlib.Path) -> None:
         *[f"| {n} | {100 * results['mv8'][n]['mean']:.1f} | {100 * results['rerank8'][n]['mean']:.1f} | "
           f"{100 * (results['rerank8'][n]['mean'] - results['mv8'][n]['mean']):+.1f} |" for n in names],
         "\nTraining curves per variant (mean over seeds): `grpo_curves.png`.\n",
-        "## Wall time per stage (s)\n",
+        "## What the numbers can say\n",
+        *reading(results, config),
+        "\n## Wall time per stage (s)\n",
         "| stage | seconds |", "|---|---|",
         *[f"| {s} | {results['seconds'][s]:.0f} |" for s in STAGE_ORDER if s in results["seconds"]],
     ]
     (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def reading(results: dict, config: ConfigDict) -> list[str]:
+    """Differences the tables imply, with the resolution of the evaluation next to them."""
+    n = results["n_eval_questions"]
+    lines = [f"- One held-out question is {100 / n:.2f} EX points (n = {n}); a binomial standard error at "
+             f"30 % EX is ±{100 * (0.3 * 0.7 / n) ** 0.5:.1f} points."]
+    ex = results["ex"]
+    for variant in (v for v in config.variants if v != "clause"):
+        if "clause" in ex and variant in ex:
+            diffs = np.subtract(ex["clause"]["values"], ex[variant]["values"])  # paired by seed
+            spread = f" ± {100 * np.std(diffs, ddof=1):.1f}" if len(diffs) > 1 else ""
+            lines.append(f"- Greedy EX, clause-level minus {variant} GRPO: {100 * diffs.mean():+.1f}{spread} points "
+                         f"(mean ± std of the per-seed differences, {len(diffs)} seed(s)).")
+    for name in ex:
+        lines.append(f"- {name}: greedy EX {100 * ex[name]['mean']:.1f}; PRM best-of-k minus MV@k "
+                     f"{100 * (results['rerank8'][name]['mean'] - results['mv8'][name]['mean']):+.1f} points.")
+    if results["localization_n"]:
+        best = max(results["baselines"].items(), key=lambda kv: kv[1]["top1"])
+        lines.append(f"- Localisation top-1, Clause-PRM minus the best baseline ({best[0]}): "
+                     f"{100 * (results['localization_top1'] - best[1]['top1']):+.1f} points.")
+    return lines
 
 
 def plot_grpo_curves(curves: dict, out_png: pathlib.Path) -> None:

@@ -68,9 +68,12 @@ def get_config(arg: str | None = None) -> ConfigDict:
         c.grpo.optim.total_steps = 20
         c.grpo.ckpt_every = 20
     if arg.fast:
-        c.sft.optim.total_steps = 40
-        c.prm.optim.total_steps = 20
-        c.prm.eval_every = 10
+        c.sft.data.demo_train_size, c.sft.data.demo_dev_size = 200, 60   # a smaller world: less to annotate
+        c.sft.data.bucket_lengths = (c.sft.data.max_len,)
+        c.sft.optim.total_steps = 10
+        c.prm.optim.total_steps = 4
+        c.prm.data.bucket_lengths = (c.prm.data.max_len,)   # one compiled shape
+        c.prm.data.max_eval_tuples = 32
         c.grpo.optim.total_steps = 2
         c.samples.train_questions = 12
         c.eval.data.num_examples = 8

@@ -6,12 +6,15 @@ size (``configs/reproduce.py:fast``) checks that the outputs are wired to the ne
 """
 import json
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from caper_jax import reproduce
 from configs import reproduce as reproduce_config
+from tests.conftest import REPO
 from tests.test_train_cli import run_train
 
 
@@ -97,6 +100,8 @@ def test_collect_and_report_from_stage_outputs(tmp_path):
     assert "| Clause-PRM | 60.0 | 80.0 |" in md
     assert "| GRPO, clause-level (CAPER) | 40.0 ± 14.1 |" in md
     assert "| sparse | 35.0 | 40.0 | +5.0 |" in md
+    # paired by seed: clause (0.3, 0.5) - token (0.1, 0.1) = (0.2, 0.4)
+    assert "clause-level minus token GRPO: +30.0 ± 14.1 points" in md
     assert (tmp_path / "grpo_curves.png").stat().st_size > 0
     assert (tmp_path / "localization_per_clause.png").stat().st_size > 0
 
@@ -115,3 +120,30 @@ def test_bad_reproduce_config_is_one_clear_error(args, message, tmp_path):
     assert message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_every_stage_runs_and_a_rerun_resumes_without_redoing_work(tmp_path):
+    """configs/reproduce.py:fast (toy steps, 2 variants x 1 seed): every stage's output exists and the
+    report holds what the issue asks for; a second run finds everything done and only rewrites the report."""
+    out = tmp_path / "rep"
+    cmd = [sys.executable, "-m", "caper_jax.train", "--config=configs/reproduce.py:fast,seeds=1",
+           "--config.variants=('sparse','clause')", f"--workdir={out}"]
+    first = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    for key in ("localization_top1", "localization_mrr", "baselines", "ex", "mv8", "rerank8"):
+        assert key in results
+    assert set(results["ex"]) == {"sft", "sparse", "clause"}
+    assert results["ex"]["sparse"]["values"] and len(results["ex"]["sparse"]["values"]) == 1
+    assert (out / "grpo" / "clause_s0" / "checkpoints").is_dir() and (out / "prm" / "checkpoints").is_dir()
+    samples = [json.loads(line) for line in (out / "prm_data" / "predictions_train.jsonl").read_text().splitlines()]
+    assert samples and all(s["pred"].strip() for s in samples)
+    assert "## Table 2" in (out / "results.md").read_text()
+    seconds = json.loads((out / "stage_seconds.json").read_text())
+
+    second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    again = json.loads((out / "stage_seconds.json").read_text())
+    for stage in ("sft", "samples", "prm", "grpo", "eval"):   # done stages cost nothing the second time
+        assert again[stage] - seconds[stage] < 1.0, (stage, seconds[stage], again[stage])
+    assert json.loads((out / "results.json").read_text())["ex"] == results["ex"]
