@@ -20,7 +20,6 @@ prompt batch; device arrays are global, host-side scoring is repeated per host (
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import pathlib
 import time
@@ -45,8 +44,9 @@ from caper_jax.rl.advantages import clause_advantages
 from caper_jax.rl.losses import AGGREGATIONS, grpo_loss
 from caper_jax.rl.rewards import VARIANTS, layout_rewards
 from caper_jax.sft import data as data_lib
-from caper_jax.sft.trainer import build_policy, cached_program, create_state, frozen, sequence_logprobs
-from caper_jax.utils.monitoring import MetricWriter, Progress, plot_curves, read_metrics
+from caper_jax.sft.trainer import (build_policy, cached_program, create_state, finish_policy_run, frozen,
+                                   sequence_logprobs)
+from caper_jax.utils.monitoring import MetricWriter, Progress
 
 log = logging.getLogger("caper_jax")
 
@@ -500,22 +500,9 @@ def run(config, workdir: str) -> dict:
                                summary["ex"])
     checkpointer.close()
     executors.close()
-    if "eval/n" in results:
-        writer.write(total, {k: v for k, v in results.items() if k.startswith("eval/")})
-    writer.close()
-    if main:
-        (workdir / "results.json").write_text(json.dumps(results, indent=1))
-        with (workdir / "predictions_eval.jsonl").open("w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        plot_curves(read_metrics(workdir / "metrics.jsonl"),
-                    ["rollout/reward_mean", "rollout/ex", "train/kl_ref", "train/entropy"],
-                    workdir / "grpo_curves.png", title=f"GRPO ({config.reward.variant})")
-    if config.export_hf:
-        from caper_jax.models import to_hf
-
-        out = to_hf(policy, policy.config, workdir / "hf_export")
-        if main:
-            tokenizer.save_pretrained(str(out))
+    finish_policy_run(workdir, writer, total, results, rows, policy, tokenizer, export_hf=config.export_hf,
+                      curves=["rollout/reward_mean", "rollout/ex", "train/kl_ref", "train/entropy"],
+                      png="grpo_curves.png", title=f"GRPO ({config.reward.variant})")
     return results
 
 

@@ -269,22 +269,30 @@ def run(config, workdir: str) -> dict:
             multihost.log_main("greedy EX on %d held-out %s examples: %.3f (executable %.3f)", summary["n"],
                                config.data.eval_split, summary["ex"], summary["executable"])
     checkpointer.close()
+    finish_policy_run(workdir, writer, total, results, rows, policy, tokenizer, export_hf=config.export_hf,
+                      curves=["train/loss", "train/grad_norm"], png="loss_curve.png", title="SFT")
+    return results
+
+
+def finish_policy_run(workdir: pathlib.Path, writer: MetricWriter, step: int, results: dict, rows: list[dict],
+                      policy: Qwen35ForCausalLM, tokenizer, *, export_hf: bool, curves: list[str], png: str,
+                      title: str) -> None:
+    """The end of an SFT or GRPO run: eval metrics, results.json, predictions, curves, HF export."""
+    main = multihost.is_main_process()
     if "eval/n" in results:
-        writer.write(total, {k: v for k, v in results.items() if k.startswith("eval/")})
+        writer.write(step, {k: v for k, v in results.items() if k.startswith("eval/")})
     writer.close()
     if main:
         (workdir / "results.json").write_text(json.dumps(results, indent=1))
         with (workdir / "predictions_eval.jsonl").open("w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-        plot_curves(read_metrics(workdir / "metrics.jsonl"), ["train/loss", "train/grad_norm"],
-                    workdir / "loss_curve.png", title="SFT")
-    if config.export_hf:
+        plot_curves(read_metrics(workdir / "metrics.jsonl"), curves, workdir / png, title=title)
+    if export_hf:
         from caper_jax.models import to_hf
 
         out = to_hf(policy, policy.config, workdir / "hf_export")
         if main:
             tokenizer.save_pretrained(str(out))
-    return results
 
 
 def dry_run(config) -> dict:
