@@ -31,6 +31,9 @@ Defaults and why (docs/annotation.md has the full argument):
                       paper's same-position tuples only, for the ablation.
   per_query = 4       fault-injection negatives per gold query: on Spider dev 13.0 tuples per gold
                       query (4.5 without within_trajectory).
+  compound = 0        how many of them also get a second fault in a later clause, the root still
+                      the first (our extension, docs/annotation.md section 5); 0 is the paper's
+                      single-fault recipe.
 """
 from ml_collections import ConfigDict
 
@@ -59,6 +62,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.reference_edges = True
     c.within_trajectory = True                   # + (clause k) > (root clause) of the same negative
     c.per_query = arg.per_query
+    c.compound = 0                               # of those, negatives also given a second, later fault
     c.max_attempts = 0                           # mutants executed per gold; 0: 8 * per_query
     c.semantics = "bird" if arg.bird else "spider"   # result equivalence (bird: set equality)
     c.timeout_s = 30.0 if arg.bird else 2.0      # per query; BIRD's evaluator allows 30 s

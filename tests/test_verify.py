@@ -118,11 +118,12 @@ def test_aggregates_on_hand_made_scores():
 
 
 def test_batched_scores_equal_one_forward_per_clause_prefix(prm_run, scorer):
-    """Reference: for each clause, the PRM alone on prompt + SQL up to the clause end, last token."""
+    """Reference: for each clause, the PRM alone on prompt + SQL up to the clause end, last token
+    (the last clause: + END_OF_SQL, read at that token)."""
     import jax
     import jax.numpy as jnp
 
-    from caper_jax.data.prompts import prm_prompt, serialize_schema
+    from caper_jax.data.prompts import END_OF_SQL, prm_prompt, serialize_schema
     from caper_jax.data.spider import load_schemas
 
     world = prm_run / "demo_world"
@@ -145,7 +146,8 @@ def test_batched_scores_equal_one_forward_per_clause_prefix(prm_run, scorer):
         assert scores.shape == (len(units),)
         prompt = tok(prm_prompt(row["question"], row["schema"]), add_special_tokens=False)["input_ids"]
         for unit, score in zip(units, scores):
-            ids = (prompt + tok(row["sql"][:unit.end], add_special_tokens=False)["input_ids"])[-MAX_LEN:]
+            text = row["sql"][:unit.end] + (END_OF_SQL if unit is units[-1] else "")
+            ids = (prompt + tok(text, add_special_tokens=False)["input_ids"])[-MAX_LEN:]
             padded = np.zeros((1, MAX_LEN), np.int32)
             padded[0, :len(ids)] = ids
             mask = (np.arange(MAX_LEN) < len(ids))[None].astype(np.int32)

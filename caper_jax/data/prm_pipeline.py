@@ -23,7 +23,9 @@ Design (docs/pipeline.md has the full story):
   pieces without special tokens, so the prompt is tokenised once per question and the training
   sequence is exactly the first tokens of the evaluation sequence that ``score_batch`` builds for
   the whole query. Too long: tokens are dropped from the LEFT (prompt first, then the SQL prefix);
-  the clause itself is never cut (``ClauseTooLongError``).
+  the clause itself is never cut (``ClauseTooLongError``). A query's last clause arrives from the
+  annotator as ``clause + END_OF_SQL`` (the end of the query is part of its state), so its score is
+  read after the end-of-SQL token, where ``score_batch`` reads it in a whole query.
 * **Within-trajectory groups** (``within_batch_size > 0``). Both sides of a within-trajectory tuple
   (``provenance`` ``within:*``) are prefixes of the same negative query, and the PRM is causal, so
   one forward pass of ``prompt ++ negative_sql`` scores all of them at once (the evaluation's
@@ -51,6 +53,8 @@ from typing import Any, Protocol
 
 import grain
 import numpy as np
+
+from caper_jax.data.prompts import END_OF_SQL, prm_prompt
 
 REQUIRED_KEYS = (
     "question", "schema", "clause", "prefix_chosen", "chosen", "prefix_rejected", "rejected", "margin",
@@ -226,10 +230,6 @@ def join_sql(prefix: str, clause: str) -> str:
 
 
 def default_prompt_fn() -> PromptFn:
-    try:
-        from caper_jax.data.prompts import prm_prompt
-    except ImportError as error:
-        raise ImportError("caper_jax.data.prompts.prm_prompt is unavailable; pass prompt_fn=") from error
     return prm_prompt
 
 
@@ -455,7 +455,7 @@ class WithinGroup:
 
     question: str
     schema: str
-    sql: str                         # the negative query; every state is a prefix of it
+    sql: str                         # the negative query as scored whole (scored_text); every state is a prefix
     root_end: int                    # character end of the root (rejected) state in ``sql``
     chosen_ends: tuple[int, ...]     # character end of each tuple's chosen state
     margins: tuple[float, ...]
@@ -468,21 +468,44 @@ def _state_end(sql: str, prefix: str, clause: str) -> int | None:
     return len(text) if text.strip() and sql.startswith(text) else None
 
 
+def scored_text(sql: str) -> tuple[str, list]:
+    """(the text the PRM reads for a whole query, its clause units).
+
+    The clauses as written (a trailing ``;`` or comment dropped) followed by ``END_OF_SQL``: the end
+    of the query is part of the last clause's state, as in the tuples (``caper_jax.sql.tuples``).
+    SQL that does not split into clauses comes back stripped, with no units.
+    """
+    from caper_jax.sql.clauses import SqlParseError, split_clauses
+
+    try:
+        units = split_clauses(sql)
+    except SqlParseError:
+        units = []
+    if not units:
+        return sql.rstrip(), []
+    return sql[:units[-1].end] + END_OF_SQL, units
+
+
 def within_groups(records: Records) -> tuple[list[WithinGroup], list[int]]:
     """(groups of within-trajectory tuples, indices of the records that stay pairs).
 
     A record joins a group iff its provenance is ``within:*``, it carries ``negative_sql``, and both
-    of its states are prefixes of that query; the group key is (question, schema, negative query,
-    root end). Groups and their tuples keep first-seen record order.
+    of its states are prefixes of that query as the PRM reads it whole (``scored_text``); the group
+    key is (question, schema, negative query, root end). Groups and their tuples keep first-seen
+    record order.
     """
     groups: dict[tuple[str, str, str, int], list[tuple[int, float, int]]] = {}  # (chosen end, margin, index)
     pairs = []
+    texts: dict[str, str] = {}     # many tuples share one negative query
     for index in range(len(records)):
         rec = records[index]
         sql = rec.get("negative_sql")
         if not (str(rec.get("provenance", "")).startswith(WITHIN_PROVENANCE) and isinstance(sql, str)):
             pairs.append(index)
             continue
+        if sql not in texts:
+            texts[sql] = scored_text(sql)[0]
+        sql = texts[sql]
         root = _state_end(sql, rec["prefix_rejected"], rec["rejected"])
         chosen = _state_end(sql, rec["prefix_chosen"], rec["chosen"])
         if root is None or chosen is None:
@@ -673,30 +696,29 @@ def score_batch(
 ) -> dict[str, np.ndarray]:
     """One sequence per query (``question``, ``schema``, ``sql``) with the last token of every clause.
 
+    The query is read as ``scored_text`` gives it (its clauses, then ``END_OF_SQL``), and its last
+    clause at ``END_OF_SQL``: training reads a query's last clause there too.
+
     Returns ``input_ids``/``mask`` [B, L] (L = shortest bucket that fits), ``clause_pos`` and
     ``clause_id`` [B, K] (-1 padded; K rounded up to ``clause_multiple`` so jit sees few shapes).
     Too long: the leftmost tokens go (prompt first); a clause whose last token falls off gets -1.
     SQL that does not parse gets no clause positions (all -1); the model still sees its tokens.
     """
-    from caper_jax.sql.clauses import SqlParseError, split_clauses
-
     if not sql_rows:
         raise ValueError("score_batch needs at least one row")
     ladder = tuple(bucket_lengths or default_bucket_lengths(max_len))
     encoder = ClauseEncoder(tokenizer, max_len, prompt_fn)
-    sqls = [row["sql"].rstrip() for row in sql_rows]
-    tokens = _token_ids(tokenizer, sqls, offsets=True)
+    scored = [scored_text(row["sql"]) for row in sql_rows]
+    tokens = _token_ids(tokenizer, [text for text, _ in scored], offsets=True)
     sequences, positions, names = [], [], []
     prompts = encoder.prompt_ids([(row["question"], row["schema"]) for row in sql_rows])
-    for sql, ids, offsets, prompt in zip(sqls, tokens["input_ids"], tokens["offset_mapping"], prompts):
+    for (text, units), ids, offsets, prompt in zip(scored, tokens["input_ids"], tokens["offset_mapping"], prompts):
         full = np.concatenate([prompt, np.asarray(ids, np.int32)])
         shift = max(0, len(full) - max_len)
-        try:
-            units = split_clauses(sql)
-        except SqlParseError:
-            units = []
         starts = [start for start, _ in offsets]
-        pos = [len(prompt) + bisect.bisect_left(starts, unit.end) - 1 - shift for unit in units]
+        # A clause is read at its last token; the last clause at END_OF_SQL, the sequence's last token.
+        pos = [len(prompt) + bisect.bisect_left(starts, unit.end) - 1 - shift for unit in units[:-1]]
+        pos += [len(full) - 1 - shift] if units else []
         sequences.append(full[shift:])
         positions.append([p if p >= 0 else -1 for p in pos])
         names.append([clause_id(unit.name) for unit in units])

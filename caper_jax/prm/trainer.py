@@ -31,7 +31,7 @@ from caper_jax.prm.export import export_prm_to_hf
 from caper_jax.prm.loss import PairLossConfig
 from caper_jax.prm.model import ClausePRM
 from caper_jax.prm import step as step_lib
-from caper_jax.sql.tuples import AnnotationSettings
+from caper_jax.sql.tuples import TUPLE_FORMAT, AnnotationSettings
 from caper_jax.utils.monitoring import MetricWriter, Progress, plot_curves, read_metrics
 
 log = logging.getLogger("caper_jax")
@@ -50,7 +50,7 @@ def loss_config(config) -> PairLossConfig:
 def annotation_settings(config) -> AnnotationSettings:
     a = config.annotate
     return AnnotationSettings(alpha=a.alpha, sigma=a.sigma, margin_floor=a.margin_floor,
-                              per_query=a.per_query, timeout_s=a.timeout_s,
+                              per_query=a.per_query, compound=a.compound, timeout_s=a.timeout_s,
                               within_trajectory=a.within_trajectory, seed=config.seed)
 
 
@@ -64,7 +64,7 @@ def annotate_split(world: DataWorld, split: str, settings: AnnotationSettings, c
     from caper_jax.data.annotation_source import annotated_dataset, trajectory_dataset
     from caper_jax.data.tfds_caper import read_tables
 
-    key = hashlib.sha256(json.dumps([str(world.dir), split, dataclasses.asdict(settings)],
+    key = hashlib.sha256(json.dumps([str(world.dir), split, dataclasses.asdict(settings), TUPLE_FORMAT],
                                     sort_keys=True).encode()).hexdigest()[:12]
     path = cache_dir / f"{split}-{key}.jsonl"
     if path.exists():
@@ -96,7 +96,7 @@ def validate(config) -> None:
     if config.model.remat not in ("none", "full", "dots"):
         raise ValueError(f"model.remat={config.model.remat!r}; expected none, full or dots")
     loss_config(config)            # form / margin_weight / alpha
-    annotation_settings(config)    # alpha, sigma, floor, per_query
+    annotation_settings(config)    # alpha, sigma, floor, per_query, compound
     buckets = tuple(config.data.bucket_lengths)
     if list(buckets) != sorted(buckets) or buckets[-1] > config.data.max_len:
         raise ValueError(f"data.bucket_lengths={buckets} must be increasing and <= data.max_len")

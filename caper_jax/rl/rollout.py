@@ -121,9 +121,14 @@ def execution_reward(executors: Executors, db_id: str, gold_sql: str, gold: Exec
 
 
 def score_completion(tokenizer, executors: Executors, ids: Sequence[int], db_id: str, gold_sql: str,
-                     gold: ExecResult, config: RewardConfig) -> ScoredCompletion:
+                     gold: ExecResult, config: RewardConfig, stop_index: int | None = None) -> ScoredCompletion:
+    """``stop_index``: the completion's stop token, when it stopped. The last clause then ends there,
+    so the PRM reads it after the end of the query, as it was trained (``caper_jax.sql.tuples``)."""
     text, offsets = decode_with_offsets(tokenizer, ids)
     ends, parse_ok = clause_token_ends(text, offsets)
+    if parse_ok and stop_index is not None:
+        ends = ends.copy()
+        ends[-1] = stop_index
     if not text.strip():
         reward, executed, correct = config.failure_reward, False, False
     else:
@@ -162,8 +167,12 @@ def assemble_rollout(prompt_ids: np.ndarray, prompt_mask: np.ndarray, output: Sa
     log_probs = fetch(output.log_probs).astype(np.float32)
     batch, new = tokens.shape
     completion_mask = (np.arange(new)[None, :] < lengths[:, None]).astype(np.int32)
-    scored = [score_completion(tokenizer, executors, completion_tokens(tokens[b], lengths[b], stop_tokens),
-                               db_ids[b], gold_sqls[b], golds[b], reward) for b in range(batch)]
+    scored = []
+    for b in range(batch):
+        ids = completion_tokens(tokens[b], lengths[b], stop_tokens)
+        stopped = len(ids) < lengths[b]          # the stop token was generated (it ends the completion)
+        scored.append(score_completion(tokenizer, executors, ids, db_ids[b], gold_sqls[b], golds[b], reward,
+                                       stop_index=int(lengths[b]) - 1 if stopped else None))
     most = max([len(s.clause_ends) for s in scored] + [1])
     clause_ends = pad_clause_ends([s.clause_ends for s in scored], -(-most // clause_multiple) * clause_multiple)
     return RolloutBatch(

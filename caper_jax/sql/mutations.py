@@ -38,7 +38,7 @@ from typing import Callable, Iterator
 
 from sqlglot import exp
 
-from caper_jax.sql.clauses import SqlParseError, clause_of, clone_tree, parse_sql, render_sql
+from caper_jax.sql.clauses import SqlParseError, clause_of, clone_tree, parse_sql, render_sql, split_clauses
 from caper_jax.sql.execution import ExecResult, Executor, order_matters, results_equal
 from caper_jax.sql.schema import Column, Schema
 
@@ -58,7 +58,7 @@ class Negative:
     tree: exp.Expression  # its AST (parse_sql(sql) == tree)
     node: exp.Expression  # v*: the mutated node inside tree (the Select, for a removed DISTINCT)
     clause: str  # name of the clause unit that holds node (see clauses.split_clauses)
-    mutation: str  # one of MUTATION_KINDS
+    mutation: str  # one of MUTATION_KINDS; "first+second" for a compound fault (compound_fault)
     root_node_sql: str  # SQL of v* in the mutant ("" when DISTINCT was removed)
     gold_node_sql: str  # SQL of the gold node it replaced ("" when DISTINCT was added)
     result: ExecResult  # the mutant's (different) execution result
@@ -373,15 +373,21 @@ def _follow(root: exp.Expression, path: list[tuple[str, int | None]]) -> exp.Exp
 
 def inject_faults(sql: str, executor: Executor, schema: Schema, per_query: int,
                   rng: random.Random, *, max_attempts: int | None = None,
-                  gold_result: ExecResult | None = None) -> list[Negative]:
+                  gold_result: ExecResult | None = None, compound: int = 0) -> list[Negative]:
     """Up to ``per_query`` verified negatives of a correct query (fewer if none are found).
 
     A negative parses, executes OK and differs from the gold result (Spider semantics, ordered iff
     gold has ORDER BY). Returns [] when the gold query itself fails to execute. At most
     ``max_attempts`` (default ``8 * per_query``) mutants are executed.
+
+    With ``compound > 0`` the negatives are offered, in order, a second fault in a clause written
+    after theirs (``compound_fault``) until ``compound`` such double faults are found; they are
+    appended after the single ones.
     """
     if per_query < 0:
         raise ValueError(f"per_query must be >= 0, got {per_query}")
+    if compound < 0:
+        raise ValueError(f"compound must be >= 0, got {compound}")
     tree = parse_sql(sql)
     gold = gold_result if gold_result is not None else executor.execute(sql)
     if not gold.ok or per_query == 0:
@@ -417,7 +423,69 @@ def inject_faults(sql: str, executor: Executor, schema: Schema, per_query: int,
             root_node_sql=render_sql(node) if new is not None else "",
             gold_node_sql=render_sql(old) if isinstance(old, exp.Expression) else "",
             result=result))
-    return negatives
+    compounds: list[Negative] = []
+    for negative in negatives:
+        if len(compounds) >= compound:
+            break
+        second = compound_fault(negative, gold, executor, schema, rng, ordered=ordered)
+        if second is not None:
+            compounds.append(second)
+    return negatives + compounds
 
 
-__all__ = ["MUTATION_KINDS", "Negative", "SqlParseError", "inject_faults", "render_sql"]
+def compound_fault(negative: Negative, gold: ExecResult, executor: Executor, schema: Schema,
+                   rng: random.Random, *, ordered: bool, max_attempts: int = 8) -> Negative | None:
+    """``negative`` with a second fault in a clause written after its own, or None.
+
+    Why: a wrong query often holds more than one error, and its root cause is the earliest one
+    (the annotator's earliest divergent clause). Single faults never show a model a clause that
+    is wrong yet not to blame; these do. v* stays the first fault, so propagation and the
+    tuples treat the second as a downstream symptom. The double mutant must execute and differ
+    from both the gold and the single mutant (the second fault changes the result too).
+    """
+    names = [unit.name for unit in split_clauses(negative.sql)]
+    if negative.clause not in names:
+        return None
+    first_rank = names.index(negative.clause)
+    tree = clone_tree(negative.tree)
+    first_path = _path(negative.node)
+    seen = {negative.sql}
+    for edit in _Sites(tree, schema, executor, rng).edits():
+        if max_attempts <= 0:
+            break
+        clause = _edit_clause(edit)
+        if clause not in names or names.index(clause) <= first_rank:
+            continue
+        new = edit.make()
+        old = edit.swap(new)
+        try:
+            mutant_sql = render_sql(tree)
+            if mutant_sql in seen:
+                continue
+            seen.add(mutant_sql)
+            max_attempts -= 1
+            result = executor.execute(mutant_sql)
+            if (not result.ok or results_equal(gold, result, semantics="spider", ordered=ordered)
+                    or results_equal(negative.result, result, semantics="spider", ordered=ordered)):
+                continue
+            mutant = clone_tree(tree)
+        finally:
+            edit.swap(old)
+        return dataclasses.replace(negative, sql=mutant_sql, tree=mutant, node=_follow(mutant, first_path),
+                                   mutation=f"{negative.mutation}+{edit.kind}", result=result)
+    return None
+
+
+def _edit_clause(edit: _Edit) -> str | None:
+    """The clause unit an edit would change (None when it lies in none, e.g. inside WITH)."""
+    current = edit.owner.args.get(edit.key)
+    node = current[edit.index] if edit.index is not None else current
+    if isinstance(edit.owner, exp.Select) and edit.key == "distinct":
+        node = edit.owner.expressions[0]          # (SELECT ↔ SELECT DISTINCT) belongs to SELECT
+    try:
+        return clause_of(node) if isinstance(node, exp.Expression) else None
+    except ValueError:
+        return None
+
+
+__all__ = ["MUTATION_KINDS", "Negative", "SqlParseError", "compound_fault", "inject_faults", "render_sql"]

@@ -11,8 +11,15 @@ position when
 The second condition drops positions where both states are the same text (a clause before the
 root cause that propagation reached through a reference edge): a preference between identical
 inputs teaches nothing. Where a position exists on one side only (a missing or an extra clause),
-the other side's state at that point is the clause it wrote next; if it wrote nothing more there
-is no state to compare and no tuple.
+the other side's state at that point is the clause it wrote next; if it wrote nothing more, it is
+its last clause followed by the end of the query.
+
+**The end of the query is part of the last clause's state.** The last clause of a query is
+written ``clause + END_OF_SQL`` (the token the policy stops on, ``caper_jax.data.prompts``), so
+the PRM reads it after the query has ended. Why: a query that lacks its trailing WHERE is, up to
+FROM's last token, exactly a correct prefix; only "and here it ends" is wrong, and a causal model
+can blame FROM for it only if it sees the end. Scoring a whole query does the same
+(``caper_jax.data.prm_pipeline.score_batch``, GRPO's clause ends in ``caper_jax.rl.rollout``).
 
 Sources:
 
@@ -32,7 +39,7 @@ tuples never compare. So each negative query also yields, for every clause k of 
 
 where the root is the clause propagation gave the lowest reward (-alpha, first in written order on
 a tie); a root position the negative lacks (a missing clause) is represented, as above, by the
-clause it wrote next. Both states come from the negative's own text, so their prefixes differ.
+clause it wrote next, or by its last clause and the end of the query. Both states come from the negative's own text, so their prefixes differ.
 ``clause`` names the root position (the blamed state); provenance is ``within:<mutation kind>`` or
 ``within:counterfactual``.
 
@@ -47,7 +54,7 @@ import pathlib
 import random
 from collections.abc import Mapping
 
-from caper_jax.data.prompts import serialize_schema
+from caper_jax.data.prompts import END_OF_SQL, serialize_schema
 from caper_jax.sql import canonical as canon
 from caper_jax.sql import propagation
 from caper_jax.sql.canonical import AnySchema, Position, align, position_rank
@@ -56,6 +63,11 @@ from caper_jax.sql.execution import Executor
 from caper_jax.sql.localize import GoldError, Localization, clause_units, localize
 from caper_jax.sql.mutations import Negative, inject_faults
 from caper_jax.sql.schema import Schema
+
+
+# Bumped whenever the same settings would write different tuples (caches key on it). 2: the last
+# clause's state ends with END_OF_SQL, and a clause missing at the end is blamed on it.
+TUPLE_FORMAT = 2
 
 
 @dataclasses.dataclass
@@ -102,23 +114,33 @@ def aligned_tuples(context: Context, *, positive_sql: str, positive_rewards: Map
         rejected = _state_at(neg_units, position)
         if chosen is None or rejected is None:
             continue
-        prefix_chosen, prefix_rejected = positive_sql[:chosen.start], negative_sql[:rejected.start]
-        if (prefix_chosen, chosen.text) == (prefix_rejected, rejected.text):
+        prefix_chosen, chosen_text = state_text(positive_sql, pos_units, chosen)
+        prefix_rejected, rejected_text = state_text(negative_sql, neg_units, rejected)
+        if (prefix_chosen, chosen_text) == (prefix_rejected, rejected_text):
             continue
         out.append(PreferenceTuple(
             question=context.question, db_id=context.db_id, schema=context.schema,
-            clause=position.name, prefix_chosen=prefix_chosen, chosen=chosen.text,
-            prefix_rejected=prefix_rejected, rejected=rejected.text, margin=float(margin),
+            clause=position.name, prefix_chosen=prefix_chosen, chosen=chosen_text,
+            prefix_rejected=prefix_rejected, rejected=rejected_text, margin=float(margin),
             provenance=provenance, gold_sql=context.gold_sql, negative_sql=negative_sql))
     return out
 
 
 def _state_at(units: dict[Position, ClauseUnit], position: Position) -> ClauseUnit | None:
-    """The unit at ``position``, or the one written next in its place."""
+    """The unit at ``position``, or the one written next in its place, or (nothing written after
+    it) the query's last unit, whose state includes the end of the query (module docstring)."""
     if position in units:
         return units[position]
     later = [p for p in units if position_rank(p) > position_rank(position)]
-    return units[min(later, key=position_rank)] if later else None
+    if later:
+        return units[min(later, key=position_rank)]
+    return units[max(units, key=position_rank)] if units else None
+
+
+def state_text(sql: str, units: dict[Position, ClauseUnit], unit: ClauseUnit) -> tuple[str, str]:
+    """(prefix, clause) of ``unit`` in ``sql``; the last unit's clause ends with ``END_OF_SQL``."""
+    final = unit.end == max(u.end for u in units.values())
+    return sql[:unit.start], unit.text + (END_OF_SQL if final else "")
 
 
 def within_trajectory_tuples(context: Context, *, negative_sql: str, negative_rewards: Mapping[str, float],
@@ -139,16 +161,17 @@ def within_trajectory_tuples(context: Context, *, negative_sql: str, negative_re
     root = _state_at(units, root_position)
     if root is None:
         return []
-    prefix_rejected = negative_sql[:root.start]
+    prefix_rejected, rejected_text = state_text(negative_sql, units, root)
     out = []
     for position, unit in units.items():
         margin = negative_rewards.get(position.key, 0.0) - root_reward
         if unit is root or margin < margin_floor:
             continue
+        prefix_chosen, chosen_text = state_text(negative_sql, units, unit)
         out.append(PreferenceTuple(
             question=context.question, db_id=context.db_id, schema=context.schema,
-            clause=root_position.name, prefix_chosen=negative_sql[:unit.start], chosen=unit.text,
-            prefix_rejected=prefix_rejected, rejected=root.text, margin=float(margin),
+            clause=root_position.name, prefix_chosen=prefix_chosen, chosen=chosen_text,
+            prefix_rejected=prefix_rejected, rejected=rejected_text, margin=float(margin),
             provenance=provenance, gold_sql=context.gold_sql, negative_sql=negative_sql))
     return out
 
@@ -240,6 +263,7 @@ class AnnotationSettings:
     reference_edges: bool = True
     within_trajectory: bool = True
     per_query: int = 4
+    compound: int = 0
     max_attempts: int | None = None
     semantics: str = "spider"
     timeout_s: float = 2.0
@@ -253,6 +277,8 @@ class AnnotationSettings:
             raise ValueError(f"margin_floor {self.margin_floor} > alpha {self.alpha}: no tuple could pass")
         if self.per_query < 0:
             raise ValueError(f"per_query must be >= 0, got {self.per_query}")
+        if not 0 <= self.compound <= self.per_query:
+            raise ValueError(f"compound must be in [0, per_query={self.per_query}], got {self.compound}")
         if self.semantics not in ("spider", "bird"):
             raise ValueError(f"semantics must be 'spider' or 'bird', got {self.semantics!r}")
 
@@ -270,7 +296,8 @@ class Annotation:
 class Annotator:
     """Trajectories ``{"question", "db_id", "gold", ["pred"]}`` -> preference tuples.
 
-    No prediction: fault injection on gold (up to ``per_query`` negatives). A wrong prediction:
+    No prediction: fault injection on gold (up to ``per_query`` negatives, plus up to ``compound``
+    of them with a second fault in a later clause, their root still the first). A wrong prediction:
     counterfactual repair. A correct prediction yields nothing by default, because Spider-layout
     sources also hold the question record of the same gold, which is mutated already;
     ``mutate_correct=True`` mutates its gold instead (for a stream of predictions alone).
@@ -361,7 +388,7 @@ class Annotator:
         rng = random.Random(f"{s.seed}\x00{context.db_id}\x00{context.gold_sql}")
         try:
             negatives = inject_faults(context.gold_sql, self.executor(context.db_id), schema, s.per_query,
-                                      rng, max_attempts=s.max_attempts)
+                                      rng, max_attempts=s.max_attempts, compound=s.compound)
         except SqlParseError:
             return Annotation([], "error", error="gold_parse")
         if not negatives and not self.executor(context.db_id).execute(context.gold_sql).ok:

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from caper_jax.data import prm_pipeline as pp
+from caper_jax.data.prompts import END_OF_SQL as END
 from caper_jax.sql.clauses import CLAUSE_NAMES, split_clauses
 
 SQLS = (
@@ -48,7 +49,7 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=600, special_tokens=["<pad>", END], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
 
 
@@ -298,8 +299,10 @@ def test_score_batch_marks_every_clause_and_matches_training_sequences(tokenizer
         prompt = prompt_fn(row["question"], row["schema"])
         for k, unit in enumerate(units):
             pos = out["clause_pos"][b, k]
-            assert tokenizer.decode(out["input_ids"][b, : pos + 1]) == prompt + row["sql"][: unit.end]
-            (train_ids,) = encoder.encode([(row["question"], row["schema"], row["sql"][: unit.start], unit.text)])
+            end = END if k == len(units) - 1 else ""     # the last clause is read after the end of the query
+            assert tokenizer.decode(out["input_ids"][b, : pos + 1]) == prompt + row["sql"][: unit.end] + end
+            (train_ids,) = encoder.encode([(row["question"], row["schema"], row["sql"][: unit.start],
+                                            unit.text + end)])
             np.testing.assert_array_equal(out["input_ids"][b, : pos + 1], train_ids)
             assert out["clause_id"][b, k] == pp.clause_id(unit.name)
         assert (out["clause_pos"][b, len(units) :] == -1).all()
@@ -326,13 +329,16 @@ def make_within_tuples() -> list[dict]:
     for q, sql in enumerate(SQLS):
         units = split_clauses(sql)
         root = units[q % len(units)]
+
+        def text(u):  # the last clause ends with the end of the query, as the annotator writes it
+            return u.text + (END if u is units[-1] else "")
         for k, unit in enumerate(units):
             if unit is root:
                 continue
             out.append(dict(
                 question=f"Which singers, case {q}?", db_id="concert_singer", schema=SCHEMAS[q % 2],
-                clause=root.name, prefix_chosen=sql[: unit.start], chosen=unit.text,
-                prefix_rejected=sql[: root.start], rejected=root.text, margin=0.25 + 0.1 * k,
+                clause=root.name, prefix_chosen=sql[: unit.start], chosen=text(unit),
+                prefix_rejected=sql[: root.start], rejected=text(root), margin=0.25 + 0.1 * k,
                 provenance="within:test", gold_sql=sql, negative_sql=sql))
     return out + make_tuples(2, seed=5)
 

@@ -108,6 +108,12 @@ def test_rewards_and_garbage(tok, executors):
     assert r.parse_ok[:3].all() and not r.parse_ok[3:5].any() and not r.parse_ok[7]
     assert r.input_ids.shape == (8, 4 + width) and r.prompt_len == 4
     np.testing.assert_array_equal(r.completion_mask.sum(1), np.asarray(out.lengths))
+    # A completion that stopped has its last clause end at the stop token: the PRM reads the last
+    # clause after the end of the query, as in training; the other clauses end on their own tokens.
+    for b in (0, 1, 2):
+        ends = r.clause_ends[b][r.clause_ends[b] >= 0]
+        assert ends[-1] == int(out.lengths[b]) - 1 and r.input_ids[b, 4 + ends[-1]] == stop
+        assert (r.input_ids[b, 4 + ends[:-1]] != stop).all()
     # The sandbox left the database as it was.
     assert executors.execute("d", "SELECT COUNT(*) FROM t").rows == ((3,),)
     assert not (executors.database_dir / "x.sqlite").exists()
@@ -124,6 +130,19 @@ def test_rewards_and_garbage(tok, executors):
     ends = r.clause_ends[0][r.clause_ends[0] >= 0]
     last = float(prm[0, ends[-1]]) + 1.0
     assert float(rewards[0, 2]) == pytest.approx(last)
+
+
+def test_a_completion_cut_before_its_stop_token_ends_on_its_last_sql_token(tok, executors):
+    sql = "SELECT name FROM t WHERE id = 2"
+    n = len(tok(sql, add_special_tokens=False)["input_ids"])
+    out = fake_output(tok, [sql, sql], tok.eos_token_id, n + 1)
+    cut = fake_output(tok, [sql, sql], tok.eos_token_id, n)        # no room for the stop token
+    gold = executors.execute("d", GOLD)
+    prompt = np.ones((2, 4), np.int32)
+    stopped, open_ = (R.assemble_rollout(prompt, prompt, o, tok, executors, ["d"] * 2, [GOLD] * 2, [gold] * 2,
+                                         (tok.eos_token_id,), REWARD) for o in (out, cut))
+    assert stopped.clause_ends[0][2] == n and open_.clause_ends[0][2] == n - 1
+    np.testing.assert_array_equal(stopped.clause_ends[0][:2], open_.clause_ends[0][:2])
 
 
 def test_random_policy_rollout(tok, executors):

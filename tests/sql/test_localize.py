@@ -5,6 +5,7 @@ error gives gold's result) and hand-written cases with a known root clause.
 """
 import pytest
 
+from caper_jax.data.prompts import END_OF_SQL as END
 from caper_jax.sql.execution import Executor, order_matters, results_equal
 from caper_jax.sql.localize import GoldError, localize, text_clauses
 from caper_jax.sql.schema import Schema
@@ -130,5 +131,11 @@ def test_counterfactual_tuples_share_the_prefix(db):
     result = run(db, gold, pred)
     tuples = counterfactual_tuples(Context("q", "concert_singer", "s", gold), pred, result, margin_floor=0.05)
     assert [(t.clause, t.prefix_chosen, t.chosen, t.prefix_rejected, t.rejected, t.margin) for t in tuples] == [
-        ("WHERE", "SELECT name FROM singer ", "WHERE age > 30", "SELECT name FROM singer ", "ORDER BY name", 1.0)]
+        ("WHERE", "SELECT name FROM singer ", "WHERE age > 30", "SELECT name FROM singer ", "ORDER BY name" + END, 1.0)]
     assert tuples[0].provenance == "counterfactual" and tuples[0].negative_sql == pred
+    # A trailing WHERE left out: the state to blame is FROM followed by the end of the query.
+    gold, pred = "SELECT name FROM singer WHERE age > 30", "SELECT name FROM singer"
+    tuples = counterfactual_tuples(Context("q", "concert_singer", "s", gold), pred, run(db, gold, pred),
+                                   margin_floor=0.05)
+    assert [(t.clause, t.prefix_chosen, t.chosen, t.prefix_rejected, t.rejected, t.margin) for t in tuples] == [
+        ("WHERE", "SELECT name FROM singer ", "WHERE age > 30" + END, "SELECT name ", "FROM singer" + END, 1.0)]

@@ -6,10 +6,12 @@ import sqlite3
 import pytest
 from sqlglot import exp
 
-from caper_jax.sql.clauses import SqlParseError, clause_of, parse_sql, split_clauses
+from caper_jax.data.prompts import END_OF_SQL as END
+from caper_jax.sql.clauses import SqlParseError, clause_of, parse_sql, render_sql, split_clauses
 from caper_jax.sql.execution import Executor, Executors, order_matters
-from caper_jax.sql.mutations import MUTATION_KINDS, inject_faults
+from caper_jax.sql.mutations import MUTATION_KINDS, compound_fault, inject_faults
 from caper_jax.sql.schema import Schema
+from caper_jax.sql.tuples import AnnotationSettings, Context, mutation_rewards, mutation_tuples
 from tests.sql.test_execution import naive_spider_equal
 
 TINY = """
@@ -102,6 +104,67 @@ def test_negatives_are_consistent_and_reproducible(tiny):
         assert clause_of(node.expressions[0] if isinstance(node, exp.Select) else node) == negative.clause
         assert negative.clause in {u.name for u in split_clauses(negative.sql)}
         assert connection.execute(negative.sql).fetchall() != gold
+
+
+def test_compound_faults_add_one_later_fault_and_keep_the_first_as_root(tiny):
+    executor, schema, connection = tiny
+    sql = "SELECT name FROM t WHERE age > 30 ORDER BY name DESC LIMIT 2"
+    gold = executor.execute(sql)
+    order = ["SELECT", "FROM", "WHERE", "ORDER BY", "LIMIT"]
+    found = 0
+    for seed, first in enumerate(all_negatives(tiny, sql)):
+        double = compound_fault(first, gold, executor, schema, random.Random(seed), ordered=True, max_attempts=50)
+        # By hand: nothing is written after LIMIT; after WHERE and ORDER BY only ORDER BY and LIMIT
+        # follow, which cannot change an empty or one-row result; SELECT and FROM have WHERE after them.
+        first_rows = connection.execute(first.sql).fetchall()
+        can_change = first.clause in ("SELECT", "FROM") or (first.clause != "LIMIT" and len(first_rows) >= 2)
+        assert (double is not None) == can_change, (first.sql, double and double.sql)
+        if double is None:
+            continue
+        found += 1
+        first_kind, second_kind = double.mutation.split("+")
+        assert first_kind == first.mutation and second_kind in MUTATION_KINDS
+        assert (double.clause, double.root_node_sql) == (first.clause, first.root_node_sql)
+        node = double.node
+        assert (render_sql(node) if not isinstance(node, exp.Select) else "") == first.root_node_sql
+        # Exactly one clause differs from the single fault's, and it is written after the root's.
+        before = {u.name: u.text for u in split_clauses(first.sql)}
+        after = {u.name: u.text for u in split_clauses(double.sql)}
+        changed = [name for name in after if after[name] != before.get(name)]
+        assert len(changed) == 1 and order.index(changed[0]) > order.index(first.clause), (first.sql, double.sql)
+        rows = connection.execute(double.sql).fetchall()
+        assert rows != connection.execute(sql).fetchall() and rows != connection.execute(first.sql).fetchall()
+        # Propagation starts at the first fault: its clause alone carries -alpha, the later fault less.
+        rewards = mutation_rewards(double, alpha=1.0, sigma=1.0, schema=schema)
+        assert rewards[first.clause] == -1.0 and rewards.get(changed[0], 0.0) > -1.0
+        # ...so the within-trajectory tuples prefer the wrong later clause to the root clause.
+        tuples = mutation_tuples(Context("q", "tiny", "schema", sql), double, alpha=1.0, sigma=1.0,
+                                 margin_floor=0.05, schema=schema, within_trajectory=True)
+        within = {(t.chosen, t.rejected) for t in tuples if t.provenance.startswith("within:")}
+        last = list(after)[-1]          # the last clause is written with the end of the query
+
+        def state(name):
+            return after[name] + (END if name == last else "")
+        assert (state(changed[0]), state(first.clause)) in within or rewards.get(changed[0], 0.0) < -0.95
+    assert found == 5
+
+
+def test_inject_faults_appends_compound_faults_reproducibly(tiny):
+    executor, schema, _ = tiny
+    sql = "SELECT name, age FROM t WHERE city != 'oslo' AND age > 20 ORDER BY age DESC"
+    first = inject_faults(sql, executor, schema, 4, random.Random(3), compound=2)
+    second = inject_faults(sql, executor, schema, 4, random.Random(3), compound=2)
+    assert [n.sql for n in first] == [n.sql for n in second]
+    singles = [n for n in first if "+" not in n.mutation]
+    doubles = [n for n in first if "+" in n.mutation]
+    assert len(singles) == 4 and 1 <= len(doubles) <= 2 and first[:4] == singles   # appended after the singles
+    plain = inject_faults(sql, executor, schema, 4, random.Random(3))
+    assert [n.sql for n in plain] == [n.sql for n in singles]          # the single faults are unchanged
+    assert all(d.mutation.split("+")[0] in {n.mutation for n in singles} for d in doubles)
+    with pytest.raises(ValueError, match="compound"):
+        inject_faults(sql, executor, schema, 4, random.Random(3), compound=-1)
+    with pytest.raises(ValueError, match="compound"):
+        AnnotationSettings(per_query=2, compound=3)
 
 
 def test_bad_input(tiny):

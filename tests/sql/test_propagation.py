@@ -4,6 +4,7 @@ import math
 import pytest
 from sqlglot import exp
 
+from caper_jax.data.prompts import END_OF_SQL as END
 from caper_jax.sql import canonical as canon
 from caper_jax.sql import propagation
 from caper_jax.sql.clauses import parse_sql
@@ -112,7 +113,7 @@ def test_identical_states_never_become_tuples():
                             negative_sql="SELECT a FROM t WHERE b = 2",
                             negative_rewards={"FROM": -0.6, "WHERE": -1.0}, margin_floor=0.05,
                             provenance="counterfactual")
-    assert [(t.clause, t.rejected, t.margin) for t in tuples] == [("WHERE", "WHERE b = 2", 1.0)]
+    assert [(t.clause, t.rejected, t.margin) for t in tuples] == [("WHERE", "WHERE b = 2" + END, 1.0)]
     with pytest.raises(ValueError):
         aligned_tuples(context, positive_sql="SELECT a FROM t", positive_rewards={}, negative_sql="SELECT b FROM t",
                        negative_rewards={}, margin_floor=0.0, provenance="x")

@@ -2,6 +2,7 @@
 
 References: the clause rewards written out by hand (propagation's formula, -alpha * exp(-d^2/2)),
 character offsets read off the SQL text, and SQLite through the Annotator on a Spider database.
+A query's last clause is written with END (the end of the query is part of its state).
 """
 import math
 
@@ -9,6 +10,7 @@ import pytest
 from sqlglot import exp
 
 from caper_jax.data.prm_pipeline import decode_record
+from caper_jax.data.prompts import END_OF_SQL as END
 from caper_jax.sql.clauses import SqlParseError, parse_sql
 from caper_jax.sql.execution import ExecResult
 from caper_jax.sql.mutations import Negative
@@ -32,14 +34,14 @@ def test_every_clause_against_the_root_with_its_own_prefix():
     assert states(got) == [
         ("SELECT", "SELECT country ", "FROM singer", "", "SELECT country", round(1 - PARENT, 6), "within:column"),
         ("SELECT", "SELECT country FROM singer ", "WHERE age > 20", "", "SELECT country", 1.0, "within:column"),
-        ("SELECT", "SELECT country FROM singer WHERE age > 20 ", "ORDER BY age", "", "SELECT country", 1.0,
+        ("SELECT", "SELECT country FROM singer WHERE age > 20 ", "ORDER BY age" + END, "", "SELECT country", 1.0,
          "within:column"),
     ]
     assert all(t.negative_sql == neg and t.gold_sql == CONTEXT.gold_sql for t in got)
     # The floor applies to r_k - r_root: 1 - exp(-1/2) = 0.393 drops under a floor of 0.5.
     high = within_trajectory_tuples(CONTEXT, negative_sql=neg, negative_rewards=rewards, margin_floor=0.5,
                                     provenance="within:column")
-    assert [t.chosen for t in high] == ["WHERE age > 20", "ORDER BY age"]
+    assert [t.chosen for t in high] == ["WHERE age > 20", "ORDER BY age" + END]
 
 
 def test_root_in_the_middle_and_clauses_absent_from_the_rewards():
@@ -51,7 +53,7 @@ def test_root_in_the_middle_and_clauses_absent_from_the_rewards():
     assert [(t.prefix_chosen, t.chosen, (t.prefix_rejected, t.rejected), t.margin, t.clause) for t in got] == [
         ("", "SELECT name", rejected, 2.0, "WHERE"),
         ("SELECT name ", "FROM singer", rejected, 2.0, "WHERE"),
-        ("SELECT name FROM singer WHERE age > 40 ", "ORDER BY age", rejected, 2.0, "WHERE"),
+        ("SELECT name FROM singer WHERE age > 40 ", "ORDER BY age" + END, rejected, 2.0, "WHERE"),
     ]
 
 
@@ -62,12 +64,15 @@ def test_a_missing_root_clause_is_blamed_on_the_clause_written_next():
     got = within_trajectory_tuples(CONTEXT, negative_sql=neg, negative_rewards=rewards, margin_floor=0.05,
                                    provenance="within:counterfactual")
     assert [(t.clause, t.chosen, t.prefix_rejected, t.rejected, t.margin) for t in got] == [
-        ("WHERE", "SELECT name", "SELECT name FROM singer ", "ORDER BY age", 1.0),
-        ("WHERE", "FROM singer", "SELECT name FROM singer ", "ORDER BY age", 1.0)]
-    # Nothing written after the missing clause: no state to blame, no tuples.
-    assert within_trajectory_tuples(CONTEXT, negative_sql="SELECT name FROM singer",
-                                    negative_rewards={"SELECT": 0.0, "FROM": 0.0, "WHERE": -1.0},
-                                    margin_floor=0.05, provenance="x") == []
+        ("WHERE", "SELECT name", "SELECT name FROM singer ", "ORDER BY age" + END, 1.0),
+        ("WHERE", "FROM singer", "SELECT name FROM singer ", "ORDER BY age" + END, 1.0)]
+    # Nothing written after the missing clause: the query ended where WHERE belonged, so the state
+    # to blame is its last clause with the end of the query -- FROM without END stays unblamed.
+    ended = within_trajectory_tuples(CONTEXT, negative_sql="SELECT name FROM singer",
+                                     negative_rewards={"SELECT": 0.0, "FROM": 0.0, "WHERE": -1.0},
+                                     margin_floor=0.05, provenance="x")
+    assert [(t.clause, t.prefix_chosen, t.chosen, t.prefix_rejected, t.rejected, t.margin) for t in ended] == [
+        ("WHERE", "", "SELECT name", "SELECT name ", "FROM singer" + END, 1.0)]
 
 
 def test_repeated_compound_units_and_ties():
@@ -76,13 +81,13 @@ def test_repeated_compound_units_and_ties():
     got = within_trajectory_tuples(CONTEXT, negative_sql=neg, negative_rewards={"UNION#2": -1.0, "UNION": -0.5},
                                    margin_floor=0.05, provenance="x")
     assert [(t.chosen, t.rejected, t.margin, t.clause) for t in got] == [
-        ("SELECT a", "UNION SELECT c FROM v", 1.0, "UNION"),
-        ("FROM t", "UNION SELECT c FROM v", 1.0, "UNION"),
-        ("UNION SELECT b FROM u", "UNION SELECT c FROM v", 0.5, "UNION")]
+        ("SELECT a", "UNION SELECT c FROM v" + END, 1.0, "UNION"),
+        ("FROM t", "UNION SELECT c FROM v" + END, 1.0, "UNION"),
+        ("UNION SELECT b FROM u", "UNION SELECT c FROM v" + END, 0.5, "UNION")]
     # Two clauses at the minimum: the first in written order is the root, the other gets margin 0 (< floor).
     tie = within_trajectory_tuples(CONTEXT, negative_sql="SELECT a FROM t WHERE b = 1",
                                    negative_rewards={"WHERE": -1.0, "FROM": -1.0}, margin_floor=0.05, provenance="x")
-    assert [(t.chosen, t.rejected) for t in tie] == [("SELECT a", "FROM t")]
+    assert [(t.chosen, t.rejected) for t in tie] == [("SELECT a", "FROM t")]   # FROM is not the last clause
 
 
 def test_no_penalty_no_tuples_and_bad_input():
@@ -113,7 +118,7 @@ def test_mutation_tuples_add_within_tuples_only_when_asked():
     # Rewards SELECT -1, FROM -exp(-1/2) (reference edge), WHERE 0.
     assert states(both[len(paper):]) == [
         ("SELECT", "SELECT country ", "FROM singer", "", "SELECT country", round(1 - PARENT, 6), "within:column"),
-        ("SELECT", "SELECT country FROM singer ", "WHERE age > 20", "", "SELECT country", 1.0, "within:column")]
+        ("SELECT", "SELECT country FROM singer ", "WHERE age > 20" + END, "", "SELECT country", 1.0, "within:column")]
 
 
 @pytest.fixture(scope="module")
@@ -133,13 +138,13 @@ def test_annotator_setting_switches_within_tuples_and_pipeline_accepts_them(data
         off.close()
     # SQLite says the prediction is wrong; localisation blames WHERE (reward -1), SELECT and FROM get 0.
     assert [(t.provenance, t.chosen, t.rejected, t.margin) for t in paper.tuples] == [
-        ("counterfactual", "WHERE age > 30", "WHERE age > 40", 1.0)]
+        ("counterfactual", "WHERE age > 30" + END, "WHERE age > 40" + END, 1.0)]
     assert with_within.tuples[:1] == paper.tuples
     assert [(t.provenance, t.prefix_chosen, t.chosen, t.prefix_rejected, t.rejected, t.margin, t.clause)
             for t in with_within.tuples[1:]] == [
-        ("within:counterfactual", "", "SELECT name", "SELECT name FROM singer ", "WHERE age > 40", 1.0, "WHERE"),
-        ("within:counterfactual", "SELECT name ", "FROM singer", "SELECT name FROM singer ", "WHERE age > 40", 1.0,
-         "WHERE")]
+        ("within:counterfactual", "", "SELECT name", "SELECT name FROM singer ", "WHERE age > 40" + END, 1.0, "WHERE"),
+        ("within:counterfactual", "SELECT name ", "FROM singer", "SELECT name FROM singer ", "WHERE age > 40" + END,
+         1.0, "WHERE")]
     assert with_within.tuples_by_kind == {"counterfactual": 3}
     for i, t in enumerate(with_within.tuples):
         decoded = decode_record(t.as_dict(), i)    # the PRM pipeline's own validation
