@@ -1,6 +1,6 @@
 """The miniature CAPER experiment, end to end (caper_jax/reproduce.py has the stages).
 
-Built-in default — 2 CPU cores, no downloads, about half an hour: the demo world; SFT of a tiny
+Built-in default — 2 CPU cores, no downloads, 22 minutes measured: the demo world; SFT of a tiny
 Qwen3.5-architecture policy; k samples per question; annotation; a Clause-PRM trained on the
 annotated samples; GRPO with sparse, token-level and clause-level (CAPER) rewards over several
 seeds at equal budgets; greedy EX, MV@k and PRM best-of-k of every policy; PRM root-cause
@@ -63,10 +63,13 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.grpo.eval.num_examples = 0
     c.sft.export_hf = c.grpo.export_hf = c.prm.export_hf = arg.full
     if not arg.full:
+        # Sized to run in under 30 minutes on 2 CPU cores (docs/reproduce.md has the stage times).
         c.sft.optim.total_steps = 600
-        c.prm.optim.total_steps = 300
-        c.grpo.optim.total_steps = 20
-        c.grpo.ckpt_every = 20
+        c.prm.optim.total_steps = 200           # held-out pairwise accuracy 82.8 % at 200, 83.8 % at 300
+        c.grpo.optim.total_steps = 16
+        c.grpo.ckpt_every = 16
+        # One optimizer step per rollout (DeepSeekMath's GRPO): the update pass is ~60 % of a GRPO step here.
+        c.grpo.rl.update_epochs = 1
     if arg.fast:
         c.sft.data.demo_train_size, c.sft.data.demo_dev_size = 200, 60   # a smaller world: less to annotate
         c.sft.data.bucket_lengths = (c.sft.data.max_len,)
