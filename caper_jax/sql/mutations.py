@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from sqlglot import exp
 
@@ -399,30 +399,18 @@ def inject_faults(sql: str, executor: Executor, schema: Schema, per_query: int,
     for edit in _Sites(tree, schema, executor, rng).edits():
         if len(negatives) >= per_query or budget <= 0:
             break
-        new = edit.make()
-        old = edit.swap(new)
-        try:
-            mutant_sql = render_sql(tree)
-            if mutant_sql in seen:
-                continue
-            seen.add(mutant_sql)
-            budget -= 1
-            result = executor.execute(mutant_sql)
-            if not result.ok or results_equal(gold, result, semantics="spider", ordered=ordered):
-                continue
-            target = new if new is not None else edit.owner
-            path = _path(target)
-            mutant = clone_tree(tree)
-        finally:
-            edit.swap(old)
-        node = _follow(mutant, path)
+        executed, mutant = _apply_and_verify(edit, tree, executor, seen, (gold,), ordered)
+        budget -= executed
+        if mutant is None:
+            continue
+        node = _follow(mutant.tree, mutant.path)
         # A removed DISTINCT leaves its SELECT as v*; the clause is that SELECT's projection list.
         clause = clause_of(node.expressions[0] if isinstance(node, exp.Select) else node)
         negatives.append(Negative(
-            sql=mutant_sql, tree=mutant, node=node, clause=clause, mutation=edit.kind,
-            root_node_sql=render_sql(node) if new is not None else "",
-            gold_node_sql=render_sql(old) if isinstance(old, exp.Expression) else "",
-            result=result))
+            sql=mutant.sql, tree=mutant.tree, node=node, clause=clause, mutation=edit.kind,
+            root_node_sql=render_sql(node) if mutant.new is not None else "",
+            gold_node_sql=render_sql(mutant.old) if isinstance(mutant.old, exp.Expression) else "",
+            result=mutant.result))
     compounds: list[Negative] = []
     for negative in negatives:
         if len(compounds) >= compound:
@@ -456,24 +444,42 @@ def compound_fault(negative: Negative, gold: ExecResult, executor: Executor, sch
         clause = _edit_clause(edit)
         if clause not in names or names.index(clause) <= first_rank:
             continue
-        new = edit.make()
-        old = edit.swap(new)
-        try:
-            mutant_sql = render_sql(tree)
-            if mutant_sql in seen:
-                continue
-            seen.add(mutant_sql)
-            max_attempts -= 1
-            result = executor.execute(mutant_sql)
-            if (not result.ok or results_equal(gold, result, semantics="spider", ordered=ordered)
-                    or results_equal(negative.result, result, semantics="spider", ordered=ordered)):
-                continue
-            mutant = clone_tree(tree)
-        finally:
-            edit.swap(old)
-        return dataclasses.replace(negative, sql=mutant_sql, tree=mutant, node=_follow(mutant, first_path),
-                                   mutation=f"{negative.mutation}+{edit.kind}", result=result)
+        executed, mutant = _apply_and_verify(edit, tree, executor, seen, (gold, negative.result), ordered)
+        max_attempts -= executed
+        if mutant is not None:
+            return dataclasses.replace(negative, sql=mutant.sql, tree=mutant.tree,
+                                       node=_follow(mutant.tree, first_path),
+                                       mutation=f"{negative.mutation}+{edit.kind}", result=mutant.result)
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mutant:
+    sql: str
+    tree: exp.Expression          # a copy: the tree the edit was tried on is reverted
+    path: list[tuple[str, int | None]]   # to the edited node (its owner when the edit removed it)
+    new: exp.Expression | None
+    old: Any
+    result: ExecResult
+
+
+def _apply_and_verify(edit: _Edit, tree: exp.Expression, executor: Executor, seen: set[str],
+                      references: tuple[ExecResult, ...], ordered: bool) -> tuple[bool, _Mutant | None]:
+    """Tries ``edit`` on ``tree`` (reverted before returning): (whether the mutant was new and so
+    executed, the mutant if it runs and differs from every reference result under Spider semantics)."""
+    new = edit.make()
+    old = edit.swap(new)
+    try:
+        sql = render_sql(tree)
+        if sql in seen:
+            return False, None
+        seen.add(sql)
+        result = executor.execute(sql)
+        if not result.ok or any(results_equal(r, result, semantics="spider", ordered=ordered) for r in references):
+            return True, None
+        return True, _Mutant(sql, clone_tree(tree), _path(new if new is not None else edit.owner), new, old, result)
+    finally:
+        edit.swap(old)
 
 
 def _edit_clause(edit: _Edit) -> str | None:
