@@ -65,6 +65,7 @@ BATCH_KEYS = (
 )
 GROUP_KEYS = ("group_ids", "group_mask", "group_pos", "group_margin", "group_weight")
 WITHIN_PROVENANCE = "within:"
+GROUP_SLOT_MULTIPLE = 8   # group_pos/group_margin widths are rounded up to this (few shapes for jit)
 # clause_id: index into caper_jax.sql.clauses.CLAUSE_NAMES (0..6); every compound operator unit
 # (UNION, UNION ALL, INTERSECT, EXCEPT) shares COMPOUND_CLAUSE_ID; a WITH unit gets WITH_CLAUSE_ID.
 COMPOUND_CLAUSE_ID = 7
@@ -229,10 +230,6 @@ def join_sql(prefix: str, clause: str) -> str:
     return prefix + clause
 
 
-def default_prompt_fn() -> PromptFn:
-    return prm_prompt
-
-
 def _token_ids(tokenizer: Tokenizer, texts: list[str], offsets: bool = False) -> Any:
     if not texts:  # HF tokenizers fail on an empty batch (a host slice of padding rows only)
         return {"input_ids": [], "offset_mapping": []}
@@ -254,7 +251,7 @@ class ClauseEncoder:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         self.tokenizer = tokenizer
         self.max_len = max_len
-        self.prompt_fn = prompt_fn if prompt_fn is not None else default_prompt_fn()
+        self.prompt_fn = prompt_fn if prompt_fn is not None else prm_prompt
         # Many tuples share a question: tokenise each prompt once (bounded, oldest out first).
         self._prompts: dict[tuple[str, str], np.ndarray] = {}
         self._cache_size = prompt_cache_size
@@ -642,13 +639,13 @@ def prm_pipeline(
         groups = [g for g, _ in kept]
         group_lengths = np.asarray([n for _, n in kept], np.int32)
         slots = max((1 + len(g.records) for g in groups), default=0)
-        slots = -(-slots // 8) * 8  # few shapes for jit
+        slots = -(-slots // GROUP_SLOT_MULTIPLE) * GROUP_SLOT_MULTIPLE
     if counterfactual_repeat > 1:
         pair_indices = list(pair_indices) + [i for i in pair_indices if _is_counterfactual(records[i])] * (
             counterfactual_repeat - 1)
     pair_indices = np.asarray(pair_indices, np.int64)
-    pair_records = _Subset(records, pair_indices)
-    buckets = bucket_index(pair_lengths(pair_records, encoder), ladder)
+    distinct, copies = np.unique(pair_indices, return_inverse=True)   # repeated tuples are measured once
+    buckets = bucket_index(pair_lengths(_Subset(records, distinct), encoder)[copies], ladder)
     group_buckets = bucket_index(group_lengths, ladder)
     within = within_batch_size if groups else 0
     steps_per_epoch = -(-len(pair_indices) // global_batch_size) or -(-len(groups) // max(within, 1))

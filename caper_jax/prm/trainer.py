@@ -247,12 +247,12 @@ def dry_run(config) -> dict:
     batch = {"chosen_ids": ids, "chosen_mask": ids, "chosen_pos": vec(jnp.int32), "rejected_ids": ids,
              "rejected_mask": ids, "rejected_pos": vec(jnp.int32), "margin": vec(jnp.float32),
              "weight": vec(jnp.float32), "clause_id": vec(jnp.int32)}
-    if config.data.within_batch_size:  # group rows; 8 slots (the pipeline rounds slots up to 8s)
-        g = config.data.within_batch_size
+    if config.data.within_batch_size:  # group rows, with the narrowest slot width the pipeline makes
+        g, slots = config.data.within_batch_size, pipe_lib.GROUP_SLOT_MULTIPLE
         batch |= {"group_ids": jax.ShapeDtypeStruct((g, length), jnp.int32, sharding=batch_sharding(2)),
                   "group_mask": jax.ShapeDtypeStruct((g, length), jnp.int32, sharding=batch_sharding(2)),
-                  "group_pos": jax.ShapeDtypeStruct((g, 8), jnp.int32, sharding=batch_sharding(2)),
-                  "group_margin": jax.ShapeDtypeStruct((g, 8), jnp.float32, sharding=batch_sharding(2)),
+                  "group_pos": jax.ShapeDtypeStruct((g, slots), jnp.int32, sharding=batch_sharding(2)),
+                  "group_margin": jax.ShapeDtypeStruct((g, slots), jnp.float32, sharding=batch_sharding(2)),
                   "group_weight": jax.ShapeDtypeStruct((g,), jnp.float32, sharding=batch_sharding(1))}
     train_step, _, _ = step_lib.jit_steps(graphdef, tx, loss_config(config))
     print(f"Clause-PRM train step: preset {config.model.preset}, global batch {b} pairs x {length} tokens, "
