@@ -94,7 +94,15 @@ def _param(
 
 
 def _dense(x: Array, kernel: Array, dtype: jnp.dtype) -> Array:
-    return jnp.matmul(x.astype(dtype), kernel.astype(dtype))
+    """x [..., in] @ kernel [in, out], computed on the rows flattened to one axis.
+
+    The flattening is a free reshape, and it keeps the weight gradient a plain 2-D GEMM
+    (rows^T @ grads): with [B, T, in] XLA:CPU contracted two axes and inserted transposes of every
+    activation in the backward pass, ~25 % of a tiny-preset PRM step (docs/model.md, measured).
+    """
+    lead = x.shape[:-1]
+    y = jnp.matmul(x.reshape(-1, x.shape[-1]).astype(dtype), kernel.astype(dtype))
+    return y.reshape(*lead, kernel.shape[-1])
 
 
 # Layers ----------------------------------------------------------------------------------------
