@@ -67,7 +67,7 @@ def build_policy_run(root: pathlib.Path, world: pathlib.Path) -> pathlib.Path:
     from caper_jax import checkpoint as ckpt_lib
     from caper_jax.models import Qwen35ForCausalLM
     from caper_jax.models.presets import model_preset
-    from caper_jax.prm.step import init_state, make_optimizer
+    from caper_jax.utils.optim import init_state, make_optimizer
     from configs.sft import get_config
 
     workdir = root / "sft_run"

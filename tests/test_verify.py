@@ -55,7 +55,7 @@ def _write_prm_run(workdir: pathlib.Path) -> None:
     from caper_jax.models.presets import model_preset
     from caper_jax.prm.export import export_prm_to_hf
     from caper_jax.prm.model import ClausePRM
-    from caper_jax.prm.step import init_state, make_optimizer
+    from caper_jax.utils.optim import init_state, make_optimizer
     from configs.prm import get_config
 
     world = build_demo_world(workdir / "demo_world", seed=0, train_size=150, dev_size=80)

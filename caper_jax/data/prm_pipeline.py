@@ -122,9 +122,10 @@ class JsonlSource(grain.sources.RandomAccessDataSource):
     def __repr__(self) -> str:
         return f"JsonlSource({self._path!r}, {len(self)} records)"
 
-    def __del__(self) -> None:
+    def __del__(self, _close=os.close) -> None:
+        # os.close bound at definition: at interpreter exit the module global may already be gone.
         if hasattr(self, "_fd"):
-            os.close(self._fd)
+            _close(self._fd)
 
 
 def _plain(value: Any) -> Any:

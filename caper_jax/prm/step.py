@@ -14,57 +14,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx, struct
+from flax import nnx
 
 from caper_jax.prm.loss import PairLossConfig, pairwise_loss
+from caper_jax.utils.optim import TrainState, guarded_update
 
 
-@struct.dataclass
-class TrainState:
-    step: jax.Array          # loop steps taken (refused ones included: their batch is consumed)
-    params: Any              # nnx.State of the ClausePRM
-    opt_state: Any
-    nonfinite: jax.Array     # consecutive refused (non-finite) steps
-
-
-def decay_mask(params: Any) -> Any:
-    """Weight decay on matrices only: norms, gains, biases and per-head scalars are left alone.
-
-    Stacked layer parameters carry a leading ``layers`` axis, which does not count as a matrix axis.
-    """
-    def is_matrix(path, leaf) -> bool:
-        stacked = any(getattr(k, "key", None) == "layers" for k in path)
-        return leaf.ndim - int(stacked) >= 2
-    return jax.tree_util.tree_map_with_path(is_matrix, params)
-
-
-def learning_rate(optim) -> optax.Schedule:
-    """Linear warmup to ``optim.lr``, then cosine decay to 10 % of it at ``optim.total_steps``."""
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=optim.lr, warmup_steps=optim.warmup_steps,
-        decay_steps=max(optim.total_steps, optim.warmup_steps + 1), end_value=0.1 * optim.lr)
-
-
-def make_optimizer(optim) -> optax.GradientTransformation:
-    """AdamW on the ``learning_rate`` schedule, after global-norm clipping."""
-    return optax.chain(
-        optax.clip_by_global_norm(optim.grad_clip),
-        optax.adamw(learning_rate(optim), b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay,
-                    mask=decay_mask),
-    )
-
-
-def init_state(params: Any, tx: optax.GradientTransformation) -> TrainState:
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      nonfinite=jnp.zeros((), jnp.int32))
+def _rows(batch: dict, field: str, *more: jax.Array) -> jax.Array:
+    """The chosen rows, then the rejected rows (then ``more``) of one batch field, as one array."""
+    return jnp.concatenate([batch[f"chosen_{field}"], batch[f"rejected_{field}"], *more])
 
 
 def _pair_scores(graphdef, params, batch):
-    model = nnx.merge(graphdef, params)
-    ids = jnp.concatenate([batch["chosen_ids"], batch["rejected_ids"]])
-    mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]])
-    pos = jnp.concatenate([batch["chosen_pos"], batch["rejected_pos"]])
-    scores = model(ids, mask, pos)
+    scores = nnx.merge(graphdef, params)(_rows(batch, "ids"), _rows(batch, "mask"), _rows(batch, "pos"))
     n = batch["chosen_ids"].shape[0]
     return scores[:n], scores[n:]
 
@@ -83,11 +45,10 @@ def _all_pairs(graphdef, params, batch):
     model = nnx.merge(graphdef, params)
     n = batch["chosen_ids"].shape[0]
     slots = batch["group_pos"].shape[1]
-    ids = jnp.concatenate([batch["chosen_ids"], batch["rejected_ids"], batch["group_ids"]])
-    mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"], batch["group_mask"]])
-    pair_pos = jnp.concatenate([batch["chosen_pos"], batch["rejected_pos"]])
-    pair_pos = jnp.concatenate([pair_pos[:, None], jnp.full((2 * n, slots - 1), -1, pair_pos.dtype)], axis=1)
-    scores = model(ids, mask, jnp.concatenate([pair_pos, batch["group_pos"]]))      # [2n + G, K]
+    pair_pos = _rows(batch, "pos")[:, None]         # one scored position per pair row, padded to K slots
+    pair_pos = jnp.concatenate([pair_pos, jnp.full((2 * n, slots - 1), -1, pair_pos.dtype)], axis=1)
+    scores = model(_rows(batch, "ids", batch["group_ids"]), _rows(batch, "mask", batch["group_mask"]),
+                   jnp.concatenate([pair_pos, batch["group_pos"]]))                  # [2n + G, K]
     group = scores[2 * n:]
     margin = batch["group_margin"][:, 1:]
     group_weight = batch["group_weight"][:, None] * (margin > 0)
@@ -103,19 +64,8 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientTr
         return pairwise_loss(*_all_pairs(graphdef, params, batch), loss_cfg)
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
-    new_state = TrainState(
-        step=state.step + 1,
-        params=keep(params, state.params),
-        opt_state=keep(opt_state, state.opt_state),
-        nonfinite=jnp.where(finite, 0, state.nonfinite + 1),
-    )
-    metrics = {"loss": loss, "grad_norm": grad_norm, "refused": 1.0 - finite.astype(jnp.float32), **metrics}
-    return new_state, metrics
+    new_state, guard = guarded_update(state, loss, grads, tx)
+    return new_state, {**guard, **metrics}
 
 
 def eval_scores(params: Any, batch: dict, *, graphdef) -> tuple[jax.Array, jax.Array]:

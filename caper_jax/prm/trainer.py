@@ -31,6 +31,7 @@ from caper_jax.prm.export import export_prm_to_hf
 from caper_jax.prm.loss import PairLossConfig
 from caper_jax.prm.model import ClausePRM
 from caper_jax.prm import step as step_lib
+from caper_jax.utils import optim as optim_lib
 from caper_jax.sql.tuples import TUPLE_FORMAT, AnnotationSettings
 from caper_jax.utils.monitoring import MetricWriter, Progress, plot_curves, read_metrics
 
@@ -50,7 +51,8 @@ def loss_config(config) -> PairLossConfig:
 def annotation_settings(config) -> AnnotationSettings:
     a = config.annotate
     return AnnotationSettings(alpha=a.alpha, sigma=a.sigma, margin_floor=a.margin_floor,
-                              per_query=a.per_query, compound=a.compound, timeout_s=a.timeout_s,
+                              per_query=a.per_query, compound=a.compound, site_balance=a.site_balance,
+                              timeout_s=a.timeout_s,
                               within_trajectory=a.within_trajectory, seed=config.seed)
 
 
@@ -152,11 +154,11 @@ def run(config, workdir: str) -> dict:
     rules = tuple(tuple(r) for r in config.sharding_rules)
     model = build_model(config, len(tokenizer), mesh, rules)
     graphdef, params = nnx.split(model)
-    tx = step_lib.make_optimizer(config.optim)
+    tx = optim_lib.make_optimizer(config.optim)
     state_sharding = rules_lib.logical_to_sharding(
-        jax.eval_shape(lambda p: step_lib.init_state(p, tx), params), mesh, rules)
+        jax.eval_shape(lambda p: optim_lib.init_state(p, tx), params), mesh, rules)
     with jax.set_mesh(mesh):
-        state = jax.jit(lambda p: step_lib.init_state(p, tx), out_shardings=state_sharding)(params)
+        state = jax.jit(lambda p: optim_lib.init_state(p, tx), out_shardings=state_sharding)(params)
     del params, model
     train_step, eval_scores, clause_scores = step_lib.jit_steps(graphdef, tx, loss_config(config), state_sharding)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
@@ -196,11 +198,11 @@ def run(config, workdir: str) -> dict:
                 summary = {f"train/{k}": float(np.mean([jax.device_get(m[k]) for m in train_metrics]))
                            for k in train_metrics[0]}
                 train_metrics = []
-                summary["train/lr"] = float(step_lib.learning_rate(config.optim)(step))
+                summary["train/lr"] = float(optim_lib.learning_rate(config.optim)(step))
+                line = progress.update(step)
                 summary["train/steps_per_s"] = progress.steps_per_s
                 writer.write(step, summary)
-                multihost.log_main("%s  loss %.4f  acc %.3f", progress.update(step), summary["train/loss"],
-                                   summary["train/accuracy"])
+                multihost.log_main("%s  loss %.4f  acc %.3f", line, summary["train/loss"], summary["train/accuracy"])
             if int(state.nonfinite) > config.optim.max_consecutive_nonfinite:
                 checkpointer.close()
                 raise NonFiniteLossError(
@@ -236,10 +238,10 @@ def dry_run(config) -> dict:
     rules = tuple(tuple(r) for r in config.sharding_rules)
     runtime = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat)
     model_config = model_preset(config.model.preset, **runtime)
-    tx = step_lib.make_optimizer(config.optim)
+    tx = optim_lib.make_optimizer(config.optim)
     graphdef, abstract = rules_lib.abstract_train_state(
         lambda: ClausePRM(model_config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules),
-        lambda p: step_lib.init_state(p, tx), mesh, rules)
+        lambda p: optim_lib.init_state(p, tx), mesh, rules)
     b, length = config.data.batch_size, config.data.max_len
     batch_sharding = lambda nd: multihost.batch_sharding(mesh, nd, rules)
     ids = jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=batch_sharding(2))

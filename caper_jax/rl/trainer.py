@@ -38,7 +38,7 @@ from caper_jax.models.sampler import SamplingConfig
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
-from caper_jax.prm.step import TrainState, init_state, learning_rate, make_optimizer
+from caper_jax.utils.optim import TrainState, guarded_update, init_state, learning_rate, make_optimizer
 from caper_jax.rl import rollout as rollout_lib
 from caper_jax.rl.advantages import clause_advantages
 from caper_jax.rl.losses import AGGREGATIONS, grpo_loss
@@ -188,16 +188,8 @@ def update_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientT
                          entropy=entropy)
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
-    new_state = TrainState(step=state.step, params=keep(params, state.params),
-                           opt_state=keep(opt_state, state.opt_state),
-                           nonfinite=jnp.where(finite, 0, state.nonfinite + 1))
-    metrics = {"loss": loss, "grad_norm": grad_norm, "refused": 1.0 - finite.astype(jnp.float32), **metrics}
-    return new_state, metrics
+    new_state, guard = guarded_update(state, loss, grads, tx, advance_step=False)   # run_step counts steps
+    return new_state, {**guard, **metrics}
 
 
 def jit_update(graphdef, tx, config, state_sharding=None):

@@ -28,7 +28,7 @@ from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
-from caper_jax.prm.step import TrainState, init_state, learning_rate, make_optimizer
+from caper_jax.utils.optim import TrainState, guarded_update, init_state, learning_rate, make_optimizer
 from caper_jax.rl.logprobs import token_logprobs
 from caper_jax.sft import data as data_lib
 from caper_jax.utils.monitoring import MetricWriter, Progress, plot_curves, read_metrics
@@ -97,15 +97,8 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientTr
                chunk_size: int) -> tuple[TrainState, dict]:
     (loss, aux), grads = jax.value_and_grad(functools.partial(sft_loss, graphdef=graphdef, chunk_size=chunk_size),
                                             has_aux=True)(state.params, batch)
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
-    new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
-                           opt_state=keep(opt_state, state.opt_state),
-                           nonfinite=jnp.where(finite, 0, state.nonfinite + 1))
-    return new_state, {"loss": loss, "grad_norm": grad_norm, "refused": 1.0 - finite.astype(jnp.float32), **aux}
+    new_state, guard = guarded_update(state, loss, grads, tx)
+    return new_state, {**guard, **aux}
 
 
 _PROGRAMS: dict[tuple, Callable] = {}

@@ -140,6 +140,9 @@ def test_two_processes_match_one_and_resume_after_sigkill(tmp_path):
         assert after_resume[step] == before_kill[step]   # bit-identical replay from the checkpoint
     multi = {**before_kill, **after_resume}
     one = dict(_losses(reference_dir))
+    # Every logged value is a number (steps/s of the first log line included): JSON has no NaN.
+    for row in (json.loads(line) for line in (reference_dir / "metrics.jsonl").read_text().splitlines()):
+        assert all(np.isfinite(v) for v in row.values() if isinstance(v, float)), row
     assert sorted(one) == sorted(multi) == list(range(1, TOTAL_STEPS + 1))
     np.testing.assert_allclose([multi[s] for s in sorted(multi)], [one[s] for s in sorted(one)], rtol=LOSS_RTOL)
 

@@ -10,7 +10,8 @@ from ml_collections import ConfigDict
 from caper_jax.models import Qwen35Config
 from caper_jax.prm.loss import PairLossConfig
 from caper_jax.prm.model import ClausePRM
-from caper_jax.prm.step import decay_mask, init_state, jit_steps, make_optimizer
+from caper_jax.prm.step import jit_steps
+from caper_jax.utils.optim import decay_mask, init_state, make_optimizer
 
 CONFIG = Qwen35Config.tiny(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4)
 OPTIM = ConfigDict(dict(lr=3e-3, warmup_steps=2, total_steps=40, weight_decay=0.0, b1=0.9, b2=0.95,

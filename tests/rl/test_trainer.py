@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from caper_jax.prm.step import init_state, make_optimizer
+from caper_jax.utils.optim import init_state, make_optimizer
 from caper_jax.rl import trainer as T
 from caper_jax.utils.monitoring import read_metrics
 from tests.sft import persistent_compile_cache

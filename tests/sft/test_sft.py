@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from caper_jax.data.prompts import END_OF_SQL
-from caper_jax.prm.step import init_state, make_optimizer
+from caper_jax.utils.optim import init_state, make_optimizer
 from caper_jax.sft import data as D
 from caper_jax.sft import trainer as S
 from caper_jax.utils.monitoring import read_metrics

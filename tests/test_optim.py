@@ -1,0 +1,49 @@
+"""The optimizer update every trainer shares: applied when finite, refused and counted otherwise."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from ml_collections import ConfigDict
+
+from caper_jax.utils.optim import guarded_update, init_state, learning_rate
+
+
+@pytest.fixture
+def state_and_tx():
+    tx = optax.sgd(0.5)
+    return init_state({"w": jnp.array([1.0, 2.0]), "b": jnp.array(3.0)}, tx), tx
+
+
+def test_finite_update_is_sgd_and_counts_the_step(state_and_tx):
+    state, tx = state_and_tx
+    grads = {"w": jnp.array([0.2, -0.4]), "b": jnp.array(1.0)}
+    new, m = guarded_update(state, jnp.float32(0.7), grads, tx)
+    np.testing.assert_allclose(new.params["w"], [0.9, 2.2])          # w - 0.5 * g, by hand
+    np.testing.assert_allclose(new.params["b"], 2.5)
+    assert int(new.step) == 1 and int(new.nonfinite) == 0 and float(m["refused"]) == 0.0
+    np.testing.assert_allclose(m["grad_norm"], np.sqrt(0.04 + 0.16 + 1.0), rtol=1e-6)
+    same_step, _ = guarded_update(state, jnp.float32(0.7), grads, tx, advance_step=False)
+    assert int(same_step.step) == 0
+
+
+@pytest.mark.parametrize("loss, bad_grad", [(np.nan, 0.0), (0.7, np.inf), (np.inf, np.nan)])
+def test_non_finite_loss_or_gradient_is_refused_and_counted(state_and_tx, loss, bad_grad):
+    state, tx = state_and_tx
+    grads = {"w": jnp.array([0.2, bad_grad]), "b": jnp.array(1.0)}
+    once, m = guarded_update(state, jnp.float32(loss), grads, tx)
+    twice, _ = guarded_update(once, jnp.float32(loss), grads, tx)
+    for new in (once, twice):
+        jax.tree.map(np.testing.assert_array_equal, new.params, state.params)
+    assert float(m["refused"]) == 1.0 and int(once.nonfinite) == 1 and int(twice.nonfinite) == 2
+    assert int(twice.step) == 2                       # the batches were consumed
+    good, _ = guarded_update(twice, jnp.float32(0.1), {"w": jnp.zeros(2), "b": jnp.array(0.0)}, tx)
+    assert int(good.nonfinite) == 0
+
+
+def test_schedule_warms_up_linearly_then_decays_to_a_tenth():
+    optim = ConfigDict(dict(lr=1e-3, warmup_steps=10, total_steps=110, weight_decay=0.1, b1=0.9, b2=0.95,
+                            grad_clip=1.0))
+    lr = learning_rate(optim)
+    np.testing.assert_allclose([lr(0), lr(5), lr(10), lr(60), lr(110)],
+                               [0.0, 5e-4, 1e-3, 1e-4 + 0.9e-3 * 0.5, 1e-4], rtol=1e-5, atol=1e-9)
