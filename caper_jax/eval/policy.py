@@ -38,6 +38,7 @@ from flax import nnx
 
 from caper_jax.eval import restore
 from caper_jax.evaluate_ex import majority_vote
+from caper_jax.sft.data import examples_from_split
 from caper_jax.sql.execution import Executors, order_matters, results_equal
 
 log = logging.getLogger("caper_jax")
@@ -229,7 +230,8 @@ def usable_examples(data_dir: pathlib.Path, split: str, schema_values: int, exec
                 log.warning("database %s is missing; its examples are excluded", ex.db_id)
     if not any(present.values()):
         raise FileNotFoundError(f"no database of split {split!r} is present under {data_dir}")
-    examples = _examples(data_dir, split, schema_values, present)
+    # The schema text the policy was trained on; values only from the databases that are present.
+    examples = examples_from_split(data_dir, split, schema_values=schema_values, values_for=present.__getitem__)
     if num_examples > 0:
         order = np.random.default_rng(seed).permutation(len(examples))[:num_examples]
         examples = [examples[i] for i in sorted(order)]
@@ -244,26 +246,6 @@ def usable_examples(data_dir: pathlib.Path, split: str, schema_values: int, exec
             continue
         usable.append(ex)
     return usable, dict(excluded)
-
-
-def _examples(data_dir, split: str, schema_values: int, present: dict[str, bool]) -> list:
-    """SftExamples with the schema text the policy was trained on (values only from present databases)."""
-    from caper_jax.data.prompts import serialize_schema
-    from caper_jax.data.spider import DataError
-    from caper_jax.data.spider import db_path, load_schemas, load_split
-    from caper_jax.sft.data import SftExample
-
-    tables = load_schemas(data_dir)
-    texts: dict[str, str] = {}
-    out = []
-    for ex in load_split(data_dir, split):
-        if ex.db_id not in tables:
-            raise DataError(f"{split}[{ex.index}]: database {ex.db_id!r} is not in the schema file of {data_dir}")
-        if ex.db_id not in texts:
-            texts[ex.db_id] = serialize_schema(tables[ex.db_id], schema_values if present[ex.db_id] else 0,
-                                               db_path(data_dir, ex.db_id) if present[ex.db_id] else None)
-        out.append(SftExample(ex.question, texts[ex.db_id], ex.query, ex.db_id, ex.evidence))
-    return out
 
 
 def run(config, workdir: str | pathlib.Path) -> dict:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
 import grain
 import numpy as np
 
@@ -50,8 +51,13 @@ class SftExample:
     evidence: str = ""  # BIRD's hint; part of the prompt
 
 
-def examples_from_split(data_dir, split: str, *, schema_values: int = 0) -> list[SftExample]:
-    """Spider/BIRD/demo-layout examples of one split with their serialised schemas."""
+def examples_from_split(data_dir, split: str, *, schema_values: int = 0,
+                        values_for: Callable[[str], bool] | None = None) -> list[SftExample]:
+    """Spider/BIRD/demo-layout examples of one split with their serialised schemas.
+
+    ``schema_values`` > 0 lists that many frequent values per text column, read from each database;
+    ``values_for(db_id)`` False leaves them out for that database (evaluation: its file is missing).
+    """
     from caper_jax.data.spider import db_path, load_schemas, load_split
 
     schemas = load_schemas(data_dir)
@@ -59,10 +65,11 @@ def examples_from_split(data_dir, split: str, *, schema_values: int = 0) -> list
     out = []
     for ex in load_split(data_dir, split):
         if ex.db_id not in schemas:
-            raise SftDataError(f"{split}[{ex.index}]: database {ex.db_id!r} is not in tables.json")
+            raise SftDataError(f"{split}[{ex.index}]: database {ex.db_id!r} is not in the schema file of {data_dir}")
         if ex.db_id not in serialised:
-            path = db_path(data_dir, ex.db_id) if schema_values else None
-            serialised[ex.db_id] = serialize_schema(schemas[ex.db_id], schema_values, path)
+            values = schema_values if values_for is None or values_for(ex.db_id) else 0
+            path = db_path(data_dir, ex.db_id) if values else None
+            serialised[ex.db_id] = serialize_schema(schemas[ex.db_id], values, path)
         out.append(SftExample(ex.question, serialised[ex.db_id], ex.query, ex.db_id, ex.evidence))
     return out
 
