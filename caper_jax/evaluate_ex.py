@@ -27,7 +27,8 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Callable, TextIO
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TextIO
 
 from caper_jax.data.spider import MissingDatabaseError, db_path, load_split
 from caper_jax.sql.execution import ExecResult, Executor, Semantics, order_matters, results_equal
@@ -89,6 +90,47 @@ def majority_vote(results: list[ExecResult], semantics: Semantics) -> int:
     return max(buckets, key=len)[0]  # max keeps the first of equal-sized buckets
 
 
+@dataclasses.dataclass(frozen=True)
+class GradedLine:
+    """One well-formed predictions line, executed and compared with its gold."""
+    line_number: int
+    prediction: Prediction
+    example: Any                    # caper_jax.data.spider.Example
+    excluded: str | None            # "missing_db" | "gold_<error kind>" | None (graded)
+    results: list[ExecResult]       # of the candidates, in order ([] when excluded)
+    right: list[bool]               # each candidate's result equals the gold's
+
+
+def grade_predictions(path: str | os.PathLike, examples: Sequence, executor_for: Callable[[str], Executor | None],
+                      *, semantics: Semantics, on_malformed: Callable[[int, PredictionError], None]
+                      ) -> Iterator[GradedLine]:
+    """Every non-blank line of a predictions file, graded; malformed lines go to ``on_malformed``.
+
+    ``executor_for(db_id)`` is None when the database is missing. An example is excluded (not
+    graded) when its database is missing or its gold query fails.
+    """
+    with open(path, encoding="utf-8") as lines:
+        for line_number, text in enumerate(lines, start=1):
+            if not text.strip():
+                continue
+            try:
+                prediction = parse_prediction(line_number, text, len(examples))
+            except PredictionError as error:
+                on_malformed(line_number, error)
+                continue
+            example = examples[prediction.index]
+            executor = executor_for(example.db_id)
+            gold = executor.execute(example.query) if executor is not None else None
+            if gold is None or not gold.ok:
+                reason = "missing_db" if gold is None else f"gold_{gold.error_kind}"
+                yield GradedLine(line_number, prediction, example, reason, [], [])
+                continue
+            ordered = order_matters(example.query)
+            results = [executor.execute(sql) for sql in prediction.candidates]
+            right = [results_equal(gold, r, semantics=semantics, ordered=ordered) for r in results]
+            yield GradedLine(line_number, prediction, example, None, results, right)
+
+
 def evaluate_ex(data_dir: str | os.PathLike, split: str, predictions: str | os.PathLike, *,
                 semantics: Semantics = "spider", output: str | os.PathLike | None = None,
                 timeout_s: float = DEFAULT_TIMEOUT_S, max_rows: int = DEFAULT_MAX_ROWS,
@@ -109,51 +151,42 @@ def evaluate_ex(data_dir: str | os.PathLike, split: str, predictions: str | os.P
                 executors[db_id] = None
         return executors[db_id]
 
-    correct = first_correct = vote_correct = any_correct = n = n_voted = malformed = 0
+    correct = first_correct = vote_correct = any_correct = n = n_voted = 0
     excluded: collections.Counter[str] = collections.Counter()
+    malformed: list[int] = []
     missing_reported: set[str] = set()
+
+    def skip(line_number: int, error: PredictionError) -> None:
+        malformed.append(line_number)
+        report(f"{predictions}:{line_number}: skipped: {error}")
+
     sink: TextIO | None = open(output, "w", encoding="utf-8") if output is not None else None
     try:
-        with open(predictions, encoding="utf-8") as lines:
-            for line_number, text in enumerate(lines, start=1):
-                if not text.strip():
-                    continue
-                try:
-                    prediction = parse_prediction(line_number, text, len(examples))
-                except PredictionError as error:
-                    malformed += 1
-                    report(f"{predictions}:{line_number}: skipped: {error}")
-                    continue
-                example = examples[prediction.index]
-                executor = executor_for(example.db_id)
-                gold = executor.execute(example.query) if executor is not None else None
-                if gold is None or not gold.ok:
-                    reason = "missing_db" if gold is None else f"gold_{gold.error_kind}"
-                    excluded[reason] += 1
-                    if reason != "missing_db" or example.db_id not in missing_reported:
-                        missing_reported.add(example.db_id)
-                        report(f"{predictions}:{line_number}: example {prediction.index} "
-                               f"({example.db_id}) excluded: {reason}"
-                               + (" (reported once per database)" if reason == "missing_db" else ""))
-                    row = {**prediction.record, "correct": None, "excluded": reason}
-                else:
-                    ordered = order_matters(example.query)
-                    results = [executor.execute(sql) for sql in prediction.candidates]
-                    right = [results_equal(gold, r, semantics=semantics, ordered=ordered) for r in results]
-                    chosen = majority_vote(results, semantics) if prediction.voted else 0
-                    n += 1
-                    correct += right[chosen]
-                    if prediction.voted:
-                        n_voted += 1
-                        first_correct += right[0]
-                        vote_correct += right[chosen]
-                        any_correct += any(right)
-                    row = {**prediction.record, "correct": right[chosen],
-                           "sql": prediction.candidates[chosen]}
-                    if not results[chosen].ok:
-                        row["error"] = results[chosen].error_kind
-                if sink is not None:
-                    sink.write(json.dumps(row, ensure_ascii=False) + "\n")
+        for line in grade_predictions(predictions, examples, executor_for, semantics=semantics, on_malformed=skip):
+            prediction, example = line.prediction, line.example
+            if line.excluded is not None:
+                excluded[line.excluded] += 1
+                if line.excluded != "missing_db" or example.db_id not in missing_reported:
+                    missing_reported.add(example.db_id)
+                    report(f"{predictions}:{line.line_number}: example {prediction.index} "
+                           f"({example.db_id}) excluded: {line.excluded}"
+                           + (" (reported once per database)" if line.excluded == "missing_db" else ""))
+                row = {**prediction.record, "correct": None, "excluded": line.excluded}
+            else:
+                right = line.right
+                chosen = majority_vote(line.results, semantics) if prediction.voted else 0
+                n += 1
+                correct += right[chosen]
+                if prediction.voted:
+                    n_voted += 1
+                    first_correct += right[0]
+                    vote_correct += right[chosen]
+                    any_correct += any(right)
+                row = {**prediction.record, "correct": right[chosen], "sql": prediction.candidates[chosen]}
+                if not line.results[chosen].ok:
+                    row["error"] = line.results[chosen].error_kind
+            if sink is not None:
+                sink.write(json.dumps(row, ensure_ascii=False) + "\n")
     finally:
         if sink is not None:
             sink.close()
@@ -165,5 +198,5 @@ def evaluate_ex(data_dir: str | os.PathLike, split: str, predictions: str | os.P
         summary["mv"] = {"n": n_voted, "first": first_correct / n_voted, "vote": vote_correct / n_voted,
                          "any": any_correct / n_voted}
     summary["excluded"] = dict(excluded)
-    summary["malformed"] = malformed
+    summary["malformed"] = len(malformed)
     return summary

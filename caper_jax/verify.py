@@ -46,8 +46,9 @@ import numpy as np
 
 from caper_jax.data.prompts import serialize_schema
 from caper_jax.data.spider import DataError, MissingDatabaseError, db_path, load_schemas, load_split
-from caper_jax.evaluate_ex import DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, PredictionError, majority_vote, parse_prediction
-from caper_jax.sql.execution import Executor, order_matters, results_equal
+from caper_jax.evaluate_ex import (DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, PredictionError, grade_predictions,
+                                   majority_vote)
+from caper_jax.sql.execution import Executor
 
 AGGREGATES = ("min", "mean", "last")  # == caper_jax.prm.scoring.AGGREGATES (no jax import at parse time)
 Report = Callable[[str], None]
@@ -112,36 +113,27 @@ def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: 
     examples = load_split(data_dir, split)
     databases = _Databases(data_dir, timeout_s=timeout_s, max_rows=max_rows, report=report, where=str(candidates))
     excluded: collections.Counter[str] = collections.Counter()
-    malformed = 0
+    malformed: list[int] = []
+
+    def skip(line_number: int, error: PredictionError) -> None:
+        malformed.append(line_number)
+        report(f"{candidates}:{line_number}: skipped: {error}")
+
     lines: list[dict[str, Any]] = []  # in file order; excluded lines have "excluded" instead of "right"
     try:
-        with open(candidates, encoding="utf-8") as f:
-            for line_number, text in enumerate(f, start=1):
-                if not text.strip():
-                    continue
-                try:
-                    prediction = parse_prediction(line_number, text, len(examples))
-                except PredictionError as error:
-                    malformed += 1
-                    report(f"{candidates}:{line_number}: skipped: {error}")
-                    continue
-                example = examples[prediction.index]
-                executor = databases.executor(example.db_id)
-                gold = executor.execute(example.query) if executor is not None else None
-                if gold is None or not gold.ok:
-                    reason = "missing_db" if gold is None else f"gold_{gold.error_kind}"
-                    excluded[reason] += 1
-                    if gold is not None:
-                        report(f"{candidates}:{line_number}: example {prediction.index} excluded: {reason}")
-                    lines.append({"prediction": prediction, "excluded": reason})
-                    continue
-                ordered = order_matters(example.query)
-                results = [executor.execute(sql) for sql in prediction.candidates]
-                right = [results_equal(gold, r, semantics=semantics, ordered=ordered) for r in results]
-                schema = databases.schema(example.db_id)
-                lines.append({"prediction": prediction, "right": right, "vote": majority_vote(results, semantics),
-                              "rows": [{"question": example.question, "schema": schema, "sql": sql}
-                                       for sql in prediction.candidates]})
+        for line in grade_predictions(candidates, examples, databases.executor, semantics=semantics,
+                                      on_malformed=skip):
+            prediction, example = line.prediction, line.example
+            if line.excluded is not None:
+                excluded[line.excluded] += 1
+                if line.excluded != "missing_db":   # a missing database is reported by _Databases, once
+                    report(f"{candidates}:{line.line_number}: example {prediction.index} excluded: {line.excluded}")
+                lines.append({"prediction": prediction, "excluded": line.excluded})
+                continue
+            schema = databases.schema(example.db_id)
+            lines.append({"prediction": prediction, "right": line.right, "vote": majority_vote(line.results, semantics),
+                          "rows": [{"question": example.question, "schema": schema, "sql": sql}
+                                   for sql in prediction.candidates]})
     finally:
         databases.close()
 
@@ -166,7 +158,7 @@ def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: 
     rate = lambda key: counts[key] / n if n else 0.0  # noqa: E731
     return {"n": n, "first": rate("first"), "vote": rate("vote"), "prm": rate(aggregate), "aggregate": aggregate,
             "prm_by_aggregate": {how: rate(how) for how in AGGREGATES}, "any": rate("any"),
-            "excluded": dict(excluded), "malformed": malformed}
+            "excluded": dict(excluded), "malformed": len(malformed)}
 
 
 def _output_row(line: dict, how: str) -> dict:
