@@ -143,7 +143,8 @@ def run_inject(db: str, input_path: str, output_path: str, settings: AnnotationS
             rng = random.Random(f"{settings.seed}\x00{gold}")
             try:
                 negatives = inject_faults(gold, executor, schema, settings.per_query, rng,
-                                          max_attempts=settings.max_attempts, compound=settings.compound)
+                                          max_attempts=settings.max_attempts, compound=settings.compound,
+                                          balance=settings.site_balance)
             except ValueError as e:     # SqlParseError
                 raise InputError(f"gold query does not parse: {e}") from e
             out = []

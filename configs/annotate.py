@@ -34,6 +34,9 @@ Defaults and why (docs/annotation.md has the full argument):
   compound = 0        how many of them also get a second fault in a later clause, the root still
                       the first (our extension, docs/annotation.md section 5); 0 is the paper's
                       single-fault recipe.
+  site_balance        the order edit sites are tried in: "clause" (round-robin over the query's
+                      clauses, then kinds) spreads a query's negatives over its clauses; "kind"
+                      (over mutation kinds) is the order before 2026-11-30; docs/annotation.md section 5.
 """
 from ml_collections import ConfigDict
 
@@ -63,6 +66,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.within_trajectory = True                   # + (clause k) > (root clause) of the same negative
     c.per_query = arg.per_query
     c.compound = 0                               # of those, negatives also given a second, later fault
+    c.site_balance = "clause"                    # edit sites tried round-robin over clauses (or: kind)
     c.max_attempts = 0                           # mutants executed per gold; 0: 8 * per_query
     c.semantics = "bird" if arg.bird else "spider"   # result equivalence (bird: set equality)
     c.timeout_s = 30.0 if arg.bird else 2.0      # per query; BIRD's evaluator allows 30 s

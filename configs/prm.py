@@ -54,6 +54,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.annotate = ConfigDict()
     c.annotate.per_query = 4                  # fault-injection negatives per gold query
     c.annotate.compound = 0                   # of those, also given a second fault in a later clause
+    c.annotate.site_balance = "clause"        # edit sites tried round-robin over clauses (or: kind)
     c.annotate.alpha = 1.0
     c.annotate.sigma = 1.0
     c.annotate.margin_floor = 0.05

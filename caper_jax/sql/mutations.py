@@ -33,6 +33,7 @@ cover different kinds of fault.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from typing import Any, Callable, Iterator
 
@@ -50,6 +51,7 @@ _NUMERIC_AGGREGATES = (exp.Max, exp.Min, exp.Avg, exp.Sum)
 _ORDER_AGGREGATES = (exp.Max, exp.Min)
 _VALUE_SAMPLE = 30  # distinct values read per column for literal mutations
 _ALTERNATIVES_PER_SITE = 2  # candidates tried per edit site before moving on
+SITE_BALANCES = ("kind", "clause")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -163,55 +165,55 @@ class _Sites:
     def __init__(self, tree: exp.Expression, schema: Schema, executor: Executor, rng: random.Random):
         self.tree, self.schema, self.executor, self.rng = tree, schema, executor, rng
         self.scopes = _Scopes(schema)
-        self.by_kind: dict[str, list[Callable[[], list[_Edit]]]] = {k: [] for k in MUTATION_KINDS}
+        # Lazy edit sites in tree order, each with its kind and the clause unit its edits change.
+        self.sites: list[tuple[str | None, str, Callable[[], list[_Edit]]]] = []
         for node in tree.walk():
             self._collect(node)
 
-    def _add(self, kind: str, make: Callable[[], list[_Edit]]) -> None:
-        self.by_kind[kind].append(make)
+    def _add(self, kind: str, node: exp.Expression, make: Callable[[exp.Expression], list[_Edit]]) -> None:
+        """A site: ``make(node)`` lists its candidate edits when the site's turn comes."""
+        self.sites.append((_site_clause(node), kind, functools.partial(make, node)))
 
     def _collect(self, node: exp.Expression) -> None:
         if isinstance(node, exp.Column) and not isinstance(node.this, exp.Star):
             if _is_string_value(node, self.scopes):
-                self._add("literal", lambda n=node: self._literal_edits(n, n.name, True))
+                self._add("literal", node, lambda n: self._literal_edits(n, n.name, True))
             elif _in_join_condition(node):
-                self._add("join_key", lambda n=node: self._column_edits(n, "join_key"))
+                self._add("join_key", node, lambda n: self._column_edits(n, "join_key"))
             else:
-                self._add("column", lambda n=node: self._column_edits(n, "column"))
+                self._add("column", node, lambda n: self._column_edits(n, "column"))
         elif isinstance(node, _COMPARISONS) and not _in_join_condition(node):
-            self._add("comparison", lambda n=node: [
+            self._add("comparison", node, lambda n: [
                 _replace("comparison", n, lambda c=cls: _rebuild(c, n)) for cls in _COMPARISONS
                 if not isinstance(n, cls)])
         elif isinstance(node, _NUMERIC_AGGREGATES):
-            self._add("aggregate", lambda n=node: self._aggregate_edits(n))
+            self._add("aggregate", node, self._aggregate_edits)
         elif isinstance(node, exp.Count) and not isinstance(node.this, exp.Star) and node.this is not None:
-            self._add("distinct", lambda n=node: [_replace("distinct", n, lambda: exp.Count(
+            self._add("distinct", node, lambda n: [_replace("distinct", n, lambda: exp.Count(
                 this=clone_tree(n.this.expressions[0]) if isinstance(n.this, exp.Distinct)
                 else exp.Distinct(expressions=[clone_tree(n.this)])))])
         elif isinstance(node, exp.Literal) and not node.find_ancestor(
                 exp.Limit, exp.Offset, exp.Order, exp.Group):  # ORDER/GROUP BY 1 are positions
             if isinstance(node.parent, exp.Neg):  # -5 is one value: replace the negation
-                self._add("literal",
-                          lambda n=node.parent: self._literal_edits(n, "-" + n.this.this, False))
+                self._add("literal", node.parent, lambda n: self._literal_edits(n, "-" + n.this.this, False))
             else:
-                self._add("literal", lambda n=node: self._literal_edits(n, n.this, n.is_string))
+                self._add("literal", node, lambda n: self._literal_edits(n, n.this, n.is_string))
         elif isinstance(node, (exp.And, exp.Or)):
             other = exp.Or if isinstance(node, exp.And) else exp.And
-            self._add("and_or", lambda n=node, o=other: [
-                _replace("and_or", n, lambda: _rebuild(o, n))])
+            self._add("and_or", node, lambda n: [_replace("and_or", n, lambda: _rebuild(other, n))])
         elif isinstance(node, exp.Ordered):
-            self._add("order_direction", lambda n=node: [
+            self._add("order_direction", node, lambda n: [
                 _replace("order_direction", n, lambda: _flip(n))])
         elif isinstance(node, exp.Limit) and isinstance(node.expression, exp.Literal) \
                 and node.expression.is_int:
-            self._add("limit", lambda n=node: self._limit_edits(n.expression))
+            self._add("limit", node, lambda n: self._limit_edits(n.expression))
         elif isinstance(node, exp.Select):
-            self._add("distinct", lambda n=node: [_Edit(
+            self._add("distinct", node, lambda n: [_Edit(
                 "distinct", n, "distinct", None,
                 lambda: None if n.args.get("distinct") else exp.Distinct())])
         elif isinstance(node, exp.Table) and node.parent is not None \
                 and isinstance(node.parent, (exp.From, exp.Join)) and self.schema.has_table(node.name):
-            self._add("table", lambda n=node: self._table_edits(n))
+            self._add("table", node, self._table_edits)
 
     def _column_edits(self, column: exp.Column, kind: str) -> list[_Edit]:
         resolved = self.scopes.resolve(column)
@@ -317,21 +319,58 @@ class _Sites:
                 edits.append(_replace("table", table, lambda n=new: n))
         return edits
 
-    def edits(self) -> Iterator[_Edit]:
-        """Round-robin over kinds in random order, a few alternatives per site; then the rest."""
-        queues = {k: self.rng.sample(v, len(v)) for k, v in self.by_kind.items() if v}
-        kinds = self.rng.sample(list(queues), len(queues))
+    def edits(self, balance: str = "kind") -> Iterator[_Edit]:
+        """Round-robin over sites, a few alternatives per site; then the rest.
+
+        ``balance="kind"``: over mutation kinds in random order. ``balance="clause"``: over clauses
+        in random order and, within a clause, over its kinds — so a query's few negatives spread
+        over its clauses instead of following where the editable nodes are (WHERE has most).
+        """
+        if balance not in SITE_BALANCES:
+            raise ValueError(f"balance={balance!r}; expected one of {SITE_BALANCES}")
+        by_kind = {k: [m for _, kind, m in self.sites if kind == k] for k in MUTATION_KINDS}
+        by_kind = {k: self.rng.sample(v, len(v)) for k, v in by_kind.items() if v}
+        if balance == "kind":
+            rounds = [iter(by_kind[k][::-1]) for k in self.rng.sample(list(by_kind), len(by_kind))]
+        else:
+            clause_of_site = {id(m): c for c, _, m in self.sites}
+            clauses = sorted({c for c, _, _ in self.sites}, key=str)
+            rounds = [_round_robin({k: [m for m in v if clause_of_site[id(m)] == c] for k, v in by_kind.items()},
+                                   self.rng) for c in self.rng.sample(clauses, len(clauses))]
         leftovers: list[_Edit] = []
-        while kinds:
-            for kind in list(kinds):
-                if not queues[kind]:
-                    kinds.remove(kind)
+        while rounds:
+            for queue in list(rounds):
+                make = next(queue, None)
+                if make is None:
+                    rounds.remove(queue)
                     continue
-                alternatives = queues[kind].pop()()
+                alternatives = make()
                 self.rng.shuffle(alternatives)
                 yield from alternatives[:_ALTERNATIVES_PER_SITE]
                 leftovers.extend(alternatives[_ALTERNATIVES_PER_SITE:])
         yield from leftovers
+
+
+def _round_robin(queues: dict[str, list], rng: random.Random) -> Iterator:
+    """The items of several queues (each taken from its end), one queue after another in a random
+    order, until all are empty."""
+    order = rng.sample([k for k in queues if queues[k]], sum(bool(v) for v in queues.values()))
+    while order:
+        for key in list(order):
+            if queues[key]:
+                yield queues[key].pop()
+            else:
+                order.remove(key)
+
+
+def _site_clause(node: exp.Expression) -> str | None:
+    """The clause unit a site's edits change (a SELECT's DISTINCT belongs to its projection list)."""
+    if isinstance(node, exp.Select):
+        node = node.expressions[0]
+    try:
+        return clause_of(node)
+    except ValueError:
+        return None
 
 
 def _rebuild(cls: type, node: exp.Binary) -> exp.Binary:
@@ -373,7 +412,8 @@ def _follow(root: exp.Expression, path: list[tuple[str, int | None]]) -> exp.Exp
 
 def inject_faults(sql: str, executor: Executor, schema: Schema, per_query: int,
                   rng: random.Random, *, max_attempts: int | None = None,
-                  gold_result: ExecResult | None = None, compound: int = 0) -> list[Negative]:
+                  gold_result: ExecResult | None = None, compound: int = 0,
+                  balance: str = "kind") -> list[Negative]:
     """Up to ``per_query`` verified negatives of a correct query (fewer if none are found).
 
     A negative parses, executes OK and differs from the gold result (Spider semantics, ordered iff
@@ -382,7 +422,8 @@ def inject_faults(sql: str, executor: Executor, schema: Schema, per_query: int,
 
     With ``compound > 0`` the negatives are offered, in order, a second fault in a clause written
     after theirs (``compound_fault``) until ``compound`` such double faults are found; they are
-    appended after the single ones.
+    appended after the single ones. ``balance`` is the order edit sites are tried in
+    (``_Sites.edits``): round-robin over mutation kinds, or over clauses.
     """
     if per_query < 0:
         raise ValueError(f"per_query must be >= 0, got {per_query}")
@@ -396,7 +437,7 @@ def inject_faults(sql: str, executor: Executor, schema: Schema, per_query: int,
     budget = max_attempts if max_attempts is not None else 8 * per_query
     seen = {render_sql(tree)}
     negatives: list[Negative] = []
-    for edit in _Sites(tree, schema, executor, rng).edits():
+    for edit in _Sites(tree, schema, executor, rng).edits(balance):
         if len(negatives) >= per_query or budget <= 0:
             break
         executed, mutant = _apply_and_verify(edit, tree, executor, seen, (gold,), ordered)
@@ -494,4 +535,4 @@ def _edit_clause(edit: _Edit) -> str | None:
         return None
 
 
-__all__ = ["MUTATION_KINDS", "Negative", "SqlParseError", "compound_fault", "inject_faults", "render_sql"]
+__all__ = ["MUTATION_KINDS", "SITE_BALANCES", "Negative", "SqlParseError", "compound_fault", "inject_faults", "render_sql"]

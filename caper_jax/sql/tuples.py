@@ -61,7 +61,7 @@ from caper_jax.sql.canonical import AnySchema, Position, align, position_rank
 from caper_jax.sql.clauses import ClauseUnit, SqlParseError
 from caper_jax.sql.execution import Executor
 from caper_jax.sql.localize import GoldError, Localization, clause_units, localize
-from caper_jax.sql.mutations import Negative, inject_faults
+from caper_jax.sql.mutations import SITE_BALANCES, Negative, inject_faults
 from caper_jax.sql.schema import Schema
 
 
@@ -264,6 +264,7 @@ class AnnotationSettings:
     within_trajectory: bool = True
     per_query: int = 4
     compound: int = 0
+    site_balance: str = "clause"
     max_attempts: int | None = None
     semantics: str = "spider"
     timeout_s: float = 2.0
@@ -279,6 +280,8 @@ class AnnotationSettings:
             raise ValueError(f"per_query must be >= 0, got {self.per_query}")
         if not 0 <= self.compound <= self.per_query:
             raise ValueError(f"compound must be in [0, per_query={self.per_query}], got {self.compound}")
+        if self.site_balance not in SITE_BALANCES:
+            raise ValueError(f"site_balance must be one of {SITE_BALANCES}, got {self.site_balance!r}")
         if self.semantics not in ("spider", "bird"):
             raise ValueError(f"semantics must be 'spider' or 'bird', got {self.semantics!r}")
 
@@ -388,7 +391,8 @@ class Annotator:
         rng = random.Random(f"{s.seed}\x00{context.db_id}\x00{context.gold_sql}")
         try:
             negatives = inject_faults(context.gold_sql, self.executor(context.db_id), schema, s.per_query,
-                                      rng, max_attempts=s.max_attempts, compound=s.compound)
+                                      rng, max_attempts=s.max_attempts, compound=s.compound,
+                                      balance=s.site_balance)
         except SqlParseError:
             return Annotation([], "error", error="gold_parse")
         if not negatives and not self.executor(context.db_id).execute(context.gold_sql).ok:

@@ -167,6 +167,26 @@ def test_inject_faults_appends_compound_faults_reproducibly(tiny):
         AnnotationSettings(per_query=2, compound=3)
 
 
+def test_clause_balance_spreads_a_querys_negatives_over_its_clauses(tiny):
+    """WHERE holds most edit sites here (3 conditions); kind-balanced order follows them, clause-balanced
+    order takes SELECT, FROM, WHERE and ORDER BY in turn (each site gives up to 2 alternatives)."""
+    executor, schema, _ = tiny
+    sql = "SELECT name, age FROM t WHERE city != 'oslo' AND age > 20 AND name != 'bob' ORDER BY age DESC"
+    spread = {}
+    for balance in ("kind", "clause"):
+        spread[balance] = [len({n.clause for n in inject_faults(sql, executor, schema, 4, random.Random(seed),
+                                                                  balance=balance)}) for seed in range(20)]
+    assert min(spread["clause"]) >= 3 and sum(spread["clause"]) / 20 >= 3.5
+    assert sum(spread["kind"]) / 20 <= 2.5 and min(spread["kind"]) == 1
+    # Same negatives for the same seed; the default is the kind order.
+    assert [n.sql for n in inject_faults(sql, executor, schema, 4, random.Random(1))] == \
+        [n.sql for n in inject_faults(sql, executor, schema, 4, random.Random(1), balance="kind")]
+    with pytest.raises(ValueError, match="balance"):
+        inject_faults(sql, executor, schema, 4, random.Random(1), balance="node")
+    with pytest.raises(ValueError, match="site_balance"):
+        AnnotationSettings(site_balance="node")
+
+
 def test_bad_input(tiny):
     executor, schema, _ = tiny
     with pytest.raises(SqlParseError):
