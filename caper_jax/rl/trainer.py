@@ -62,45 +62,29 @@ class RunLoadError(ValueError):
 # -- loading frozen / initial weights from other runs
 
 
-def saved_config(run_dir: pathlib.Path, step: int) -> ConfigDict:
-    import orbax.checkpoint as ocp
-
-    manager = ocp.CheckpointManager(run_dir / "checkpoints")
-    try:
-        restored = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-    finally:
-        manager.close()
-    return ConfigDict(restored["config"])
-
-
 def restore_run_params(run_dir: str | pathlib.Path, step: int, build: Callable[[ConfigDict], nnx.Module],
                        mesh, rules) -> tuple[nnx.Module, int]:
     """The params of another run's orbax checkpoint (newest verified one when ``step`` is 0), merged
-    into the module ``build(saved config)`` describes. Returns (module, step)."""
-    run_dir = pathlib.Path(run_dir)
-    checkpointer = ckpt_lib.Checkpointer(run_dir / "checkpoints", max_to_keep=None)
+    into the module ``build(saved config)`` describes; the optimizer state is not read. Returns
+    (module, step)."""
+    from caper_jax.eval import restore
+
+    ckpt_dir = pathlib.Path(run_dir) / "checkpoints"
     try:
-        steps = checkpointer.all_steps()
-        if not steps:
-            raise RunLoadError(f"{run_dir / 'checkpoints'} holds no checkpoint")
         if step == 0:
-            step = next((s for s in reversed(steps) if checkpointer.verify(s) is None), -1)
-            if step < 0:
-                raise RunLoadError(f"no checkpoint in {run_dir / 'checkpoints'} verifies")
-        elif step not in steps:
-            raise RunLoadError(f"{run_dir / 'checkpoints'} has no step {step}; it has {steps}")
-        elif (problem := checkpointer.verify(step)) is not None:
-            raise RunLoadError(f"{run_dir / 'checkpoints'}/{step}: {problem}")
-        cfg = saved_config(run_dir, step)
+            step_dir = restore.latest_whole_step(ckpt_dir)
+        else:
+            step_dir = ckpt_dir / str(step)
+            if not step_dir.is_dir():
+                raise RunLoadError(f"{ckpt_dir} has no step {step}")
+            if (problem := ckpt_lib.verify(step_dir)) is not None:
+                raise RunLoadError(f"{step_dir}: {problem}")
+        cfg = ConfigDict(restore.stored_config(step_dir))
         graphdef, abstract_params = rules_lib.abstract_state(lambda: build(cfg), mesh, rules)
-        tx = make_optimizer(cfg.optim)
-        abstract = jax.eval_shape(lambda p: init_state(p, tx), abstract_params)
-        shardings = rules_lib.logical_to_sharding(abstract, mesh, rules)
-        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-        state = checkpointer.restore(step, abstract).state
-    finally:
-        checkpointer.close()
-    return nnx.merge(graphdef, state.params), step
+        params = restore.restore_params(step_dir, abstract_params)
+    except (restore.WorkdirError, FileNotFoundError) as error:
+        raise RunLoadError(f"{run_dir}: {error}") from error
+    return nnx.merge(graphdef, params), int(step_dir.name)
 
 
 def _runtime(model_cfg) -> dict:

@@ -170,6 +170,35 @@ def test_end_to_end_and_resume(variant, beta, world, prm_run, tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["variant"] == variant
 
 
+def test_restore_run_params_reads_only_a_whole_checkpoint(world, prm_run, tmp_path):
+    """Params of the newest verified step (the fixture's Rngs(3) init, not the builder's Rngs(0));
+    a missing step, an interrupted save or an empty run is one RunLoadError."""
+    import shutil
+
+    from caper_jax.models.presets import model_preset
+    from caper_jax.parallel.mesh import make_mesh
+    from caper_jax.parallel.rules import DEFAULT_RULES
+    from caper_jax.prm.model import ClausePRM
+
+    vocab = len(world[1])
+    build = lambda cfg: ClausePRM(model_preset(cfg.model.preset, vocab_size=vocab), rngs=nnx.Rngs(0))  # noqa: E731
+    mesh, rules = make_mesh(), tuple(tuple(r) for r in DEFAULT_RULES)
+    prm, step = T.restore_run_params(prm_run, 0, build, mesh, rules)
+    saved = nnx.state(ClausePRM(model_preset("tiny", vocab_size=vocab), rngs=nnx.Rngs(3)))
+    assert step == 7
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(prm), saved)
+    with pytest.raises(T.RunLoadError, match="has no step 5"):
+        T.restore_run_params(prm_run, 5, build, mesh, rules)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(prm_run, damaged)
+    (damaged / "checkpoints" / "7" / "caper_manifest.json").unlink()      # as a save killed mid-write
+    for step in (0, 7):
+        with pytest.raises(T.RunLoadError):
+            T.restore_run_params(damaged, step, build, mesh, rules)
+    with pytest.raises(T.RunLoadError):
+        T.restore_run_params(tmp_path / "nothing", 0, build, mesh, rules)
+
+
 def test_bad_config_is_refused():
     config = grpo_config()
     config.reward.variant = "clause"
