@@ -172,7 +172,7 @@ def update_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientT
                          entropy=entropy)
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    new_state, guard = guarded_update(state, loss, grads, tx, advance_step=False)   # run_step counts steps
+    new_state, guard = guarded_update(state, loss, grads, tx, advance_step=False)   # run() counts outer steps
     return new_state, {**guard, **metrics}
 
 
