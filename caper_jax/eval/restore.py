@@ -61,8 +61,10 @@ def stored_config(step_dir: pathlib.Path) -> dict[str, Any]:
 
 def stored_param_shapes(step_dir: pathlib.Path) -> dict[str, tuple[int, ...]]:
     """'/'-joined parameter path -> stored shape (from orbax metadata; no array is read)."""
-    metadata = ocp.PyTreeCheckpointer().metadata(step_dir / "state")
-    tree = getattr(metadata, "item_metadata", metadata).tree
+    # The item's handler, not a Checkpointer: a Checkpointer looks for step-level metadata inside
+    # the item directory and logs a warning when it (rightly) is not there.
+    metadata = ocp.PyTreeCheckpointHandler().metadata(step_dir / "state")
+    tree = getattr(metadata, "tree", metadata)
     flat = {}
 
     def walk(node: Any, prefix: tuple[str, ...]) -> None:
@@ -81,11 +83,13 @@ def restore_params(step_dir: pathlib.Path, abstract_params: nnx.State) -> nnx.St
     target = {"params": abstract_params}
     args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                   partial_restore=True)
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-        try:
-            restored = checkpointer.restore(step_dir / "state", args=args)
-        except ValueError as error:  # shape/structure mismatch: the config does not describe these params
-            raise WorkdirError(f"{step_dir}: stored parameters do not fit the model of its config: {error}") from error
+    handler = ocp.PyTreeCheckpointHandler()      # as in stored_param_shapes
+    try:
+        restored = handler.restore(step_dir / "state", args=args)
+    except ValueError as error:  # shape/structure mismatch: the config does not describe these params
+        raise WorkdirError(f"{step_dir}: stored parameters do not fit the model of its config: {error}") from error
+    finally:
+        handler.close()
     return restored["params"]
 
 
