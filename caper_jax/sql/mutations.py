@@ -328,15 +328,18 @@ class _Sites:
         """
         if balance not in SITE_BALANCES:
             raise ValueError(f"balance={balance!r}; expected one of {SITE_BALANCES}")
-        by_kind = {k: [m for _, kind, m in self.sites if kind == k] for k in MUTATION_KINDS}
+        by_kind = {k: [(c, m) for c, kind, m in self.sites if kind == k] for k in MUTATION_KINDS}
         by_kind = {k: self.rng.sample(v, len(v)) for k, v in by_kind.items() if v}
         if balance == "kind":
-            rounds = [iter(by_kind[k][::-1]) for k in self.rng.sample(list(by_kind), len(by_kind))]
+            rounds = [iter([m for _, m in reversed(by_kind[k])])
+                      for k in self.rng.sample(list(by_kind), len(by_kind))]
         else:
-            clause_of_site = {id(m): c for c, _, m in self.sites}
-            clauses = sorted({c for c, _, _ in self.sites}, key=str)
-            rounds = [_round_robin({k: [m for m in v if clause_of_site[id(m)] == c] for k, v in by_kind.items()},
-                                   self.rng) for c in self.rng.sample(clauses, len(clauses))]
+            by_clause: dict[str | None, dict[str, list]] = {}
+            for kind, sites in by_kind.items():
+                for clause, make in sites:
+                    by_clause.setdefault(clause, {}).setdefault(kind, []).append(make)
+            clauses = sorted(by_clause, key=str)
+            rounds = [_round_robin(by_clause[c], self.rng) for c in self.rng.sample(clauses, len(clauses))]
         leftovers: list[_Edit] = []
         while rounds:
             for queue in list(rounds):
@@ -352,9 +355,9 @@ class _Sites:
 
 
 def _round_robin(queues: dict[str, list], rng: random.Random) -> Iterator:
-    """The items of several queues (each taken from its end), one queue after another in a random
-    order, until all are empty."""
-    order = rng.sample([k for k in queues if queues[k]], sum(bool(v) for v in queues.values()))
+    """The items of several non-empty queues (each taken from its end), one queue after another in
+    a random order, until all are empty."""
+    order = rng.sample(list(queues), len(queues))
     while order:
         for key in list(order):
             if queues[key]:
