@@ -74,11 +74,14 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.loss.margin_weight = "linear"           # linear | none
     c.loss.offset_scale = 1.0
     c.loss.center_coef = 0.01
+    # Next-token loss on the chosen sides' SQL, added to the pair loss (caper_jax/prm/loss.py): a
+    # random backbone learns the question -> SQL mapping a pretrained one brings. 0 for real checkpoints.
+    c.loss.lm_coef = 1.0 if arg.model == "tiny" else 0.0
 
     c.optim = ConfigDict()
     c.optim.lr = 1e-3 if arg.model == "tiny" else 1e-5
     c.optim.warmup_steps = 30
-    c.optim.total_steps = arg.steps or (300 if arg.model == "tiny" else 2000)
+    c.optim.total_steps = arg.steps or (450 if arg.model == "tiny" else 2000)
     c.optim.weight_decay = 0.01
     c.optim.b1 = 0.9
     c.optim.b2 = 0.95

@@ -77,3 +77,47 @@ def pairwise_loss(
         "margin_gap": (gap * weight).sum() / n,
     }
     return loss, metrics
+
+
+# -- auxiliary language-modelling term ----------------------------------------------------------
+#
+# The paper's PRM starts from a pretrained LLM that already maps questions to SQL; a randomly
+# initialised backbone (the built-in demo) has to learn from preference pairs alone which column a
+# question asks for. The chosen side of every aligned tuple is correct SQL (gold, or the repaired
+# prediction, whose clause rewards are 0), so next-token prediction of its SQL tokens is free
+# supervision of exactly that mapping, read from the same forward pass.
+
+
+@dataclasses.dataclass(frozen=True)
+class LmAuxConfig:
+    coef: float = 0.0          # 0 disables the term (and XLA drops its computation)
+    marker_id: int = -1        # the SQL starts after this token's last occurrence (<|im_start|>)
+    chunk_size: int = 128      # sequence positions per chunk of the vocabulary projection
+
+    def __post_init__(self):
+        if self.coef < 0:
+            raise ValueError(f"lm_coef must be >= 0, got {self.coef}")
+        if self.coef and self.marker_id < 0:
+            raise ValueError("lm_coef > 0 needs marker_id, the token the SQL follows")
+
+
+def sql_target_mask(input_ids: jax.Array, attention_mask: jax.Array, last: jax.Array,
+                    marker_id: int) -> jax.Array:
+    """[B, T-1] bool: position t predicts token t+1, and token t+1 is SQL to learn.
+
+    SQL tokens are the real tokens after the row's last ``marker_id`` (the assistant turn's
+    ``<|im_start|>``), up to and including index ``last`` [B] (the scored clause's last token);
+    the marker itself is not a target. A row without the marker (its prompt truncated away) counts
+    every token up to ``last``.
+    """
+    seen = jnp.cumsum(input_ids == marker_id, axis=1)
+    after_marker = (seen == seen[:, -1:]) & (input_ids != marker_id)
+    index = jnp.arange(input_ids.shape[1])[None]
+    target = after_marker & (index <= last[:, None]) & attention_mask.astype(bool)
+    return target[:, 1:]
+
+
+def lm_nll(logp: jax.Array, target_mask: jax.Array, weight: jax.Array) -> jax.Array:
+    """Mean negative log-likelihood over target tokens of rows with ``weight > 0`` (0 if none)."""
+    mask = target_mask & (weight[:, None] > 0)
+    return -jnp.where(mask, logp, 0.0).sum() / jnp.maximum(mask.sum(), 1)

@@ -42,14 +42,17 @@ class ClausePRM(nnx.Module):
         return jnp.einsum("bth,h->bt", h.astype(jnp.float32), self.score_head[...])
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, positions: jax.Array) -> jax.Array:
-        """Scores at ``positions`` ([B] or [B, K] token indices; negative entries give 0).
+        """Scores at ``positions`` ([B] or [B, K] token indices; negative entries give 0)."""
+        return self.scores_at(self.backbone.hidden_states(input_ids, attention_mask), positions)
+
+    def scores_at(self, hidden: jax.Array, positions: jax.Array) -> jax.Array:
+        """The head read from backbone ``hidden`` [B, T, H] at ``positions`` ([B] or [B, K]; < 0 gives 0).
 
         Only the gathered hidden states meet the head, so the cost past the backbone is O(B·K·H).
         """
-        h = self.backbone.hidden_states(input_ids, attention_mask)
         squeeze = positions.ndim == 1
         pos = positions[:, None] if squeeze else positions
-        picked = jnp.take_along_axis(h, jnp.maximum(pos, 0)[..., None], axis=1)      # [B, K, H]
+        picked = jnp.take_along_axis(hidden, jnp.maximum(pos, 0)[..., None], axis=1)      # [B, K, H]
         scores = jnp.einsum("bkh,h->bk", picked.astype(jnp.float32), self.score_head[...])
         scores = jnp.where(pos >= 0, scores, 0.0)
         return scores[:, 0] if squeeze else scores

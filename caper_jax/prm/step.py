@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from caper_jax.prm.loss import PairLossConfig, pairwise_loss
+from caper_jax.prm.loss import LmAuxConfig, PairLossConfig, lm_nll, pairwise_loss, sql_target_mask
+from caper_jax.rl.logprobs import token_logprobs
 from caper_jax.utils.optim import TrainState, guarded_update
 
 
@@ -31,37 +32,58 @@ def _pair_scores(graphdef, params, batch):
     return scores[:n], scores[n:]
 
 
-def _all_pairs(graphdef, params, batch):
-    """(r_chosen, r_rejected, margin, weight) of every pair of a training batch, in one forward pass.
+def _all_pairs(model, batch):
+    """((r_chosen, r_rejected, margin, weight) of every pair of a training batch, chosen hidden states).
 
-    Without ``group_*`` keys these are the tuple rows. With them (``prm_pipeline(within_batch_size>0)``)
-    the group rows join the same forward pass and each group contributes its within-trajectory pairs,
-    slot k > 0 (chosen) against slot 0 (the root state), with the margins ``group_margin[:, k]``;
-    empty slots (margin 0) and padding groups get weight 0.
+    One forward pass. Without ``group_*`` keys the pairs are the tuple rows. With them
+    (``prm_pipeline(within_batch_size>0)``) the group rows join the same forward pass and each group
+    contributes its within-trajectory pairs, slot k > 0 (chosen) against slot 0 (the root state),
+    with the margins ``group_margin[:, k]``; empty slots (margin 0) and padding groups get weight 0.
+    The chosen rows' backbone states [n, T, H] come back for the auxiliary LM term (unused ones are
+    dropped by XLA).
     """
-    if "group_ids" not in batch:
-        r_pos, r_neg = _pair_scores(graphdef, params, batch)
-        return r_pos, r_neg, batch["margin"], batch["weight"]
-    model = nnx.merge(graphdef, params)
     n = batch["chosen_ids"].shape[0]
+    if "group_ids" not in batch:
+        hidden = model.backbone.hidden_states(_rows(batch, "ids"), _rows(batch, "mask"))
+        scores = model.scores_at(hidden, _rows(batch, "pos"))
+        return (scores[:n], scores[n:], batch["margin"], batch["weight"]), hidden[:n]
     slots = batch["group_pos"].shape[1]
     pair_pos = _rows(batch, "pos")[:, None]         # one scored position per pair row, padded to K slots
     pair_pos = jnp.concatenate([pair_pos, jnp.full((2 * n, slots - 1), -1, pair_pos.dtype)], axis=1)
-    scores = model(_rows(batch, "ids", batch["group_ids"]), _rows(batch, "mask", batch["group_mask"]),
-                   jnp.concatenate([pair_pos, batch["group_pos"]]))                  # [2n + G, K]
+    hidden = model.backbone.hidden_states(_rows(batch, "ids", batch["group_ids"]),
+                                          _rows(batch, "mask", batch["group_mask"]))
+    scores = model.scores_at(hidden, jnp.concatenate([pair_pos, batch["group_pos"]]))     # [2n + G, K]
     group = scores[2 * n:]
     margin = batch["group_margin"][:, 1:]
     group_weight = batch["group_weight"][:, None] * (margin > 0)
-    return (jnp.concatenate([scores[:n, 0], group[:, 1:].reshape(-1)]),
-            jnp.concatenate([scores[n:2 * n, 0], jnp.broadcast_to(group[:, :1], margin.shape).reshape(-1)]),
-            jnp.concatenate([batch["margin"], margin.reshape(-1)]),
-            jnp.concatenate([batch["weight"], group_weight.reshape(-1)]))
+    pairs = (jnp.concatenate([scores[:n, 0], group[:, 1:].reshape(-1)]),
+             jnp.concatenate([scores[n:2 * n, 0], jnp.broadcast_to(group[:, :1], margin.shape).reshape(-1)]),
+             jnp.concatenate([batch["margin"], margin.reshape(-1)]),
+             jnp.concatenate([batch["weight"], group_weight.reshape(-1)]))
+    return pairs, hidden[:n]
+
+
+def _chosen_sql_nll(model, hidden, batch, lm_cfg: LmAuxConfig) -> jax.Array:
+    """Next-token NLL of the chosen rows' SQL (the auxiliary LM term, ``caper_jax.prm.loss``)."""
+    ids = batch["chosen_ids"]
+    # The PRM backbone always ties its head to the input embedding (prm.model.backbone_config).
+    logp = token_logprobs(hidden[:, :-1], model.backbone.embed_tokens[...], ids[:, 1:], lm_cfg.chunk_size,
+                          tied=True)
+    target = sql_target_mask(ids, batch["chosen_mask"], batch["chosen_pos"], lm_cfg.marker_id)
+    return lm_nll(logp, target, batch["weight"])
 
 
 def train_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientTransformation,
-               loss_cfg: PairLossConfig) -> tuple[TrainState, dict]:
+               loss_cfg: PairLossConfig, lm_cfg: LmAuxConfig = LmAuxConfig()) -> tuple[TrainState, dict]:
     def loss_fn(params):
-        return pairwise_loss(*_all_pairs(graphdef, params, batch), loss_cfg)
+        model = nnx.merge(graphdef, params)
+        pairs, chosen_hidden = _all_pairs(model, batch)
+        loss, metrics = pairwise_loss(*pairs, loss_cfg)
+        if lm_cfg.coef:
+            nll = _chosen_sql_nll(model, chosen_hidden, batch, lm_cfg)
+            loss = loss + lm_cfg.coef * nll
+            metrics = {**metrics, "lm_nll": nll}
+        return loss, metrics
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     new_state, guard = guarded_update(state, loss, grads, tx)
@@ -79,9 +101,9 @@ def clause_scores(params: Any, input_ids: jax.Array, attention_mask: jax.Array, 
     return nnx.merge(graphdef, params)(input_ids, attention_mask, clause_pos)
 
 
-def jit_steps(graphdef, tx, loss_cfg, state_sharding=None):
+def jit_steps(graphdef, tx, loss_cfg, state_sharding=None, lm_cfg: LmAuxConfig = LmAuxConfig()):
     """The jitted (train_step, eval_scores, clause_scores) with the state donated to train_step."""
-    train = jax.jit(functools.partial(train_step, graphdef=graphdef, tx=tx, loss_cfg=loss_cfg),
+    train = jax.jit(functools.partial(train_step, graphdef=graphdef, tx=tx, loss_cfg=loss_cfg, lm_cfg=lm_cfg),
                     donate_argnums=0,
                     out_shardings=None if state_sharding is None else (state_sharding, None))
     evals = jax.jit(functools.partial(eval_scores, graphdef=graphdef))

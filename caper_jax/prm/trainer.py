@@ -28,7 +28,7 @@ from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
 from caper_jax.prm import evaluation
 from caper_jax.prm.export import export_prm_to_hf
-from caper_jax.prm.loss import PairLossConfig
+from caper_jax.prm.loss import LmAuxConfig, PairLossConfig
 from caper_jax.prm.model import ClausePRM
 from caper_jax.prm import step as step_lib
 from caper_jax.utils import optim as optim_lib
@@ -46,6 +46,19 @@ def loss_config(config) -> PairLossConfig:
     return PairLossConfig(form=config.loss.form, margin_weight=config.loss.margin_weight,
                           alpha=config.annotate.alpha, offset_scale=config.loss.offset_scale,
                           center_coef=config.loss.center_coef)
+
+
+def lm_config(config, tokenizer=None) -> LmAuxConfig:
+    """The auxiliary SQL language-modelling term; the SQL follows the prompt's last <|im_start|>.
+
+    Without a tokenizer (config validation, the dry run) the marker is token 0: same program, same cost.
+    """
+    marker = -1
+    if config.loss.lm_coef:
+        marker = 0 if tokenizer is None else tokenizer.convert_tokens_to_ids("<|im_start|>")
+        if marker is None or (tokenizer is not None and marker == tokenizer.unk_token_id):
+            raise ValueError("loss.lm_coef > 0 needs a tokenizer with the <|im_start|> token the prompt uses")
+    return LmAuxConfig(coef=config.loss.lm_coef, marker_id=marker)
 
 
 def annotation_settings(config) -> AnnotationSettings:
@@ -98,6 +111,7 @@ def validate(config) -> None:
     if config.model.remat not in ("none", "full", "dots"):
         raise ValueError(f"model.remat={config.model.remat!r}; expected none, full or dots")
     loss_config(config)            # form / margin_weight / alpha
+    lm_config(config)              # lm_coef >= 0
     annotation_settings(config)    # alpha, sigma, floor, per_query, compound
     buckets = tuple(config.data.bucket_lengths)
     if list(buckets) != sorted(buckets) or buckets[-1] > config.data.max_len:
@@ -160,7 +174,8 @@ def run(config, workdir: str) -> dict:
     with jax.set_mesh(mesh):
         state = jax.jit(lambda p: optim_lib.init_state(p, tx), out_shardings=state_sharding)(params)
     del params, model
-    train_step, eval_scores, clause_scores = step_lib.jit_steps(graphdef, tx, loss_config(config), state_sharding)
+    train_step, eval_scores, clause_scores = step_lib.jit_steps(graphdef, tx, loss_config(config), state_sharding,
+                                                              lm_config(config, tokenizer))
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     multihost.log_main("Clause-PRM: %s parameters on mesh %s", f"{n_params:,}", dict(mesh.shape))
 
@@ -256,7 +271,7 @@ def dry_run(config) -> dict:
                   "group_pos": jax.ShapeDtypeStruct((g, slots), jnp.int32, sharding=batch_sharding(2)),
                   "group_margin": jax.ShapeDtypeStruct((g, slots), jnp.float32, sharding=batch_sharding(2)),
                   "group_weight": jax.ShapeDtypeStruct((g,), jnp.float32, sharding=batch_sharding(1))}
-    train_step, _, _ = step_lib.jit_steps(graphdef, tx, loss_config(config))
+    train_step, _, _ = step_lib.jit_steps(graphdef, tx, loss_config(config), lm_cfg=lm_config(config))
     print(f"Clause-PRM train step: preset {config.model.preset}, global batch {b} pairs x {length} tokens, "
           f"remat {config.model.remat}, params {config.model.param_dtype}, compute {config.model.dtype}")
     return report(train_step, (abstract, batch), mesh, params=abstract.params)

@@ -8,7 +8,7 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from caper_jax.models import Qwen35Config
-from caper_jax.prm.loss import PairLossConfig
+from caper_jax.prm.loss import LmAuxConfig, PairLossConfig
 from caper_jax.prm.model import ClausePRM
 from caper_jax.prm.step import jit_steps
 from caper_jax.utils.optim import decay_mask, init_state, make_optimizer
@@ -118,3 +118,25 @@ def test_within_groups_give_the_loss_of_their_tuples_as_pairs():
     np.testing.assert_allclose(float(metrics[1]["loss"]), float(metrics[0]["loss"]), rtol=1e-5)
     np.testing.assert_allclose(float(metrics[1]["accuracy"]), float(metrics[0]["accuracy"]), rtol=1e-6)
     np.testing.assert_allclose(float(metrics[1]["margin_gap"]), float(metrics[0]["margin_gap"]), rtol=1e-4)
+
+
+def test_lm_term_is_the_next_token_loss_of_the_chosen_sql(setup):
+    """loss(lm_coef=c) - loss(0) = c * mean NLL of the chosen rows' SQL tokens, the NLL computed here
+    from the full logits of the backbone (tied embedding head) with log_softmax."""
+    model, graphdef, params, tx, train0, _, _ = setup
+    batch = make_batch(np.random.default_rng(3))
+    marker = 63
+    batch["chosen_ids"][:, 5] = marker                   # prompt: 0..5, SQL: 6..chosen_pos (= 20)
+    batch["chosen_ids"][:, :5] = np.where(batch["chosen_ids"][:, :5] == marker, 1, batch["chosen_ids"][:, :5])
+    batch["chosen_ids"][:, 6:] = np.where(batch["chosen_ids"][:, 6:] == marker, 1, batch["chosen_ids"][:, 6:])
+    batch["weight"][3] = 0.0                             # a padding row does not count
+    train_lm, _, _ = jit_steps(graphdef, tx, PairLossConfig(), lm_cfg=LmAuxConfig(coef=0.5, marker_id=marker))
+    fresh = lambda: init_state(jax.tree.map(jnp.copy, params), tx)
+    _, m0 = train0(fresh(), batch)
+    _, m1 = train_lm(fresh(), batch)
+    logits = model.backbone(jnp.asarray(batch["chosen_ids"]), jnp.asarray(batch["chosen_mask"]))
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    nll = [-logp[row, t - 1, batch["chosen_ids"][row, t]] for row in range(3) for t in range(6, 21)]
+    np.testing.assert_allclose(float(m1["lm_nll"]), np.mean(nll), rtol=1e-5)
+    np.testing.assert_allclose(float(m1["loss"]) - float(m0["loss"]), 0.5 * np.mean(nll), rtol=1e-4)
+    assert "lm_nll" not in m0
