@@ -83,6 +83,12 @@ def _greedy_caper(model: Qwen35ForCausalLM, prompt: np.ndarray, new_tokens: int)
     return np.asarray(jnp.stack(out, axis=1))
 
 
+def _log_softmax64(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
 def verify(hf_dir: str, batch: int = 2, seq_len: int = 96, new_tokens: int = 16, seed: int = 0) -> dict[str, Any]:
     """Compares caper_jax with transformers (fp32) on random tokens; returns the report dict."""
     model, config = from_hf(hf_dir, dtype="float32")
@@ -106,9 +112,12 @@ def verify(hf_dir: str, batch: int = 2, seq_len: int = 96, new_tokens: int = 16,
             prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False,
             min_new_tokens=new_tokens, pad_token_id=0,
         ).numpy()[:, prompt.shape[1]:]
-    log_p = jax.nn.log_softmax(jnp.asarray(theirs), axis=-1)
-    log_q = jax.nn.log_softmax(jnp.asarray(ours), axis=-1)
-    kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+    # KL in float64 from the two fp32 logit arrays: in fp32 the sum over the vocabulary of
+    # p * (log p - log q) cancels to rounding noise (~1e-7 whatever the models do), which hides a
+    # true KL of order (logit difference)^2 / 2 ~ 1e-13 under a figure that moves with the processor.
+    log_p = _log_softmax64(theirs)
+    log_q = _log_softmax64(ours)
+    kl = np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)
     caper_greedy = _greedy_caper(model, tokens[:, : seq_len // 2], new_tokens)
     report.update(
         reference=f"transformers {transformers.__version__}",

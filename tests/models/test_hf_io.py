@@ -129,7 +129,16 @@ def test_verify_cli_reports_parity(hf_dirs):
     with contextlib.redirect_stdout(stdout):
         convert.main(["verify", "--hf_dir", str(hf_dirs["tied"]), "--batch", "1", "--seq_len", "24", "--new_tokens", "4"])
     report = json.loads(stdout.getvalue().strip().splitlines()[-1])
-    assert report["max_abs_logit_diff"] < 1e-4 and report["mean_kl"] < 1e-8
+    # Bounds from fp32 precision, not from what one processor printed. Logits: each forward pass
+    # rounds at eps = 1.2e-7 relative per op; errors from a few hundred accumulations (every GEMM
+    # row, norm and softmax of each layer) add up to well under 1000 eps of the logits' scale, while a
+    # real defect (a transposed weight, a wrong norm) moves logits by 1e-2 or more.
+    logit_atol = 1000 * np.finfo(np.float32).eps * max(1.0, report["max_abs_logit"])
+    assert report["max_abs_logit_diff"] < logit_atol
+    # KL (computed in float64 from the two fp32 logit arrays): to second order it is half the
+    # variance under p of the logit difference, so it cannot exceed max|diff|^2 / 2; twice that
+    # leaves room for the third-order term.
+    assert 0 <= report["mean_kl"] <= report["max_abs_logit_diff"] ** 2
     assert report["greedy_match"] is True and report["greedy_tokens_compared"] == 4
 
 

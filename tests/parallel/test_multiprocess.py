@@ -32,7 +32,9 @@ TOTAL_STEPS = 5
 CKPT_EVERY = 2
 HANG_BEFORE_STEP = 4        # process 1 stalls here, after steps 1..3
 LAST_CKPT = (HANG_BEFORE_STEP - 1) // CKPT_EVERY * CKPT_EVERY   # = 2, the newest whole checkpoint
-LOSS_RTOL = 1e-5            # measured max relative gap 1-process vs 2-process: see docs/scale.md
+# 1-process vs 2-process losses differ only in the order of fp32 cross-device sums over a few
+# thousand terms: ~sqrt(n) * eps ~ 1e-5 at worst (measured 1.2e-7, docs/scale.md).
+LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
 TIMEOUT_S = 600
 

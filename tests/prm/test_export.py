@@ -53,4 +53,7 @@ def test_backbone_from_hf_and_export_round_trip(tmp_path):
     np.testing.assert_allclose(mine, theirs, atol=1e-4, rtol=1e-4)
     # And the clause-position API gives the same numbers.
     at = np.asarray(prm(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(np.asarray(lengths) - 1, np.int32)))
-    np.testing.assert_allclose(at, mine, atol=1e-6, rtol=1e-6)
+    # Same weights, two compiled programs (gather at positions vs all positions): XLA may fuse and
+    # order the reductions differently, so agreement is to fp32 rounding of scores of order 1,
+    # a few hundred eps = 1.2e-7 each (1e-6 was 8 eps: one processor's luck).
+    np.testing.assert_allclose(at, mine, atol=1e-5, rtol=1e-5)
