@@ -3,7 +3,11 @@
 * **Pairwise**: on held-out preference tuples, the share with r(u+) > r(u-), overall and per clause.
 * **Localisation**: on held-out FAILED trajectories, the PRM scores every clause of the prediction in
   one forward pass; clauses ranked lowest-first give top-1 and MRR against the true root clause,
-  next to the baselines of ``caper_jax.prm.localization`` (heuristic, random, execution-only).
+  next to the baselines of ``caper_jax.prm.localization``: heuristic (sees gold: a reference row),
+  execution-only and random always; the SFT policy's confidence when the prediction lines carry
+  ``clause_logprob`` (per-clause mean token log-prob, ``caper_jax.eval.confidence``) and sample
+  disagreement when they carry ``samples`` (the question's k samples), each only when every
+  failure has it (a baseline on a subset would not be comparable).
   The true root is the construction label where the data has one (``true_root_clause`` in the demo
   world's predictions: known independently of the annotator), else the annotator's counterfactual
   localisation (``caper_jax.sql.localize``), which is what the paper evaluates against.
@@ -104,8 +108,9 @@ class PrmEvaluator:
                 gold_units = [(u.name, u.text) for u in split_clauses(r["gold"])]
             except SqlParseError:
                 continue
-            rows.append({"question": r["question"], "schema": schemas[r["db_id"]], "sql": r["pred"],
-                         "root": root, "pred_units": pred_units, "gold_units": gold_units})
+            row = {"question": r["question"], "schema": schemas[r["db_id"]], "sql": r["pred"],
+                   "root": root, "pred_units": pred_units, "gold_units": gold_units}
+            rows.append(with_baseline_inputs(row, r, annotator.schema(r["db_id"])))
         annotator.close()
         return rows
 
@@ -170,13 +175,58 @@ def annotated_root(annotator: Annotator, db_id: str, gold: str, pred: str) -> st
     return None if found.correct else found.root_clause
 
 
+def clause_forms(sql: str, schema=None) -> dict[str, object]:
+    """Position key -> canonical form of each clause of ``sql`` ({} when it does not parse).
+
+    The canonical form is ``caper_jax.sql.canonical``'s clause key (aliases, quoting, operand order
+    and qualification normalised); where canonicalisation fails or its clauses do not line up with
+    ``split_clauses``' units, the whitespace/case-normalised clause text stands in.
+    """
+    from caper_jax.sql import canonical as canon
+
+    try:
+        units = split_clauses(sql)
+    except SqlParseError:
+        return {}
+    keys = [p.key for p in canon.positions([u.name for u in units])]
+    try:
+        slots = canon.clause_slots(canon.canonicalize(sql, schema).tree)
+        if [s.name for s in slots] == [u.name for u in units]:
+            return {key: canon.canonical_key(slot) for key, slot in zip(keys, slots)}
+    except Exception:  # noqa: BLE001 -- any sqlglot failure: the text is the fallback form
+        pass
+    return {key: " ".join(u.text.lower().split()) for key, u in zip(keys, units)}
+
+
+def with_baseline_inputs(row: dict, record: dict, schema=None) -> dict:
+    """``row`` plus what the gold-free baselines read, when the prediction line carries it:
+    ``clause_logprob`` (one per clause) and the question's ``samples`` as canonical clause forms."""
+    logprob = record.get("clause_logprob")
+    if logprob is not None and len(logprob) == len(row["pred_units"]):
+        row["clause_logprob"] = [float("-inf") if x is None else float(x) for x in logprob]
+    if record.get("samples"):
+        from caper_jax.sql import canonical as canon
+
+        forms = clause_forms(row["sql"], schema)
+        keys = [p.key for p in canon.positions([n for n, _ in row["pred_units"]])]
+        row["pred_forms"] = [(key, forms.get(key, object())) for key in keys]
+        row["sample_forms"] = [clause_forms(sql, schema) for sql in record["samples"]]
+    return row
+
+
 def localization_summaries(rows: list[dict], prm_scores: list[np.ndarray]) -> dict[str, dict]:
     """Top-1 / MRR / confusion of the PRM and each baseline on failed predictions.
 
     ``rows`` carry ``root`` (true root clause), ``pred_units`` and ``gold_units`` ((name, text) per
-    clause); ``prm_scores`` one score per pred clause (NaN: truncated away).
+    clause) and, for the confidence and disagreement baselines, ``clause_logprob`` /
+    ``pred_forms`` + ``sample_forms`` (``with_baseline_inputs``); ``prm_scores`` one score per pred
+    clause (NaN: truncated away). Each summary carries ``sees_gold``.
     """
     cases: dict[str, list[loc.Case]] = {"prm": [], "heuristic": [], "random": [], "execution": []}
+    if rows and all("clause_logprob" in row for row in rows):
+        cases["confidence"] = []
+    if rows and all("sample_forms" in row for row in rows):
+        cases["disagreement"] = []
     for row, scores in zip(rows, prm_scores, strict=True):
         names = tuple(n for n, _ in row["pred_units"])
         true_index = loc.true_index_for(names, row["root"], CLAUSE_ORDER)
@@ -187,7 +237,12 @@ def localization_summaries(rows: list[dict], prm_scores: list[np.ndarray]) -> di
                                            true_index))
         cases["random"].append(loc.Case(names, loc.random_scores(len(names)), true_index))
         cases["execution"].append(loc.Case(names, loc.execution_scores(len(names)), true_index))
-    return {name: loc.summarize(c) for name, c in cases.items()}
+        if "confidence" in cases:
+            cases["confidence"].append(loc.Case(names, loc.confidence_scores(row["clause_logprob"]), true_index))
+        if "disagreement" in cases:
+            cases["disagreement"].append(loc.Case(
+                names, loc.disagreement_scores(row["pred_forms"], row["sample_forms"]), true_index))
+    return {name: {**loc.summarize(c), "sees_gold": loc.SEES_GOLD.get(name, False)} for name, c in cases.items()}
 
 
 def localization_table(localization: dict[str, dict]) -> str:

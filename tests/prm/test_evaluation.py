@@ -3,7 +3,10 @@ import json
 import sqlite3
 import types
 
-from caper_jax.prm.evaluation import PrmEvaluator
+import numpy as np
+import pytest
+
+from caper_jax.prm.evaluation import PrmEvaluator, localization_summaries
 from caper_jax.sql.schema import Schema
 from caper_jax.sql.tuples import tables_entry
 
@@ -41,3 +44,34 @@ def test_failures_use_the_construction_label_else_the_annotators_root(tmp_path):
         ("age > 30 ORDER BY name", "SELECT"),
     ]
     assert rows[0]["gold_units"][2] == ("WHERE", "WHERE age > 30")
+
+
+def test_gold_free_baselines_come_from_the_prediction_lines(tmp_path):
+    samples = ["SELECT name FROM person WHERE age > 40 ORDER BY name",
+               "SELECT p.name FROM person AS p WHERE p.age > 30 ORDER BY p.name",   # same clauses, other surface
+               "SELECT name FROM person WHERE age > 30 ORDER BY name"]
+    world = _world(tmp_path, [
+        {"pred": samples[0], "samples": samples, "clause_logprob": [-0.1, -0.2, -2.0, -0.3]},
+        {"pred": "SELECT name FROM person WHERE age > 30 ORDER BY name DESC", "samples": samples,
+         "clause_logprob": [-0.1, -3.0, -0.2, -0.4]},
+    ])
+    rows = PrmEvaluator._failures(world, "dev")
+    assert [r["root"] for r in rows] == ["WHERE", "ORDER BY"]
+    # WHERE age > 40 is written by 1 of the 3 samples; the aliased sample has the same canonical clauses
+    # as the gold-shaped one, so SELECT/FROM/ORDER BY agree in all 3.
+    from caper_jax.prm import localization as loc
+    assert loc.disagreement_scores(rows[0]["pred_forms"], rows[0]["sample_forms"]) == (1.0, 1.0, 1 / 3, 1.0)
+    assert loc.disagreement_scores(rows[1]["pred_forms"], rows[1]["sample_forms"]) == (1.0, 1.0, 2 / 3, 0.0)
+    prm = [np.array([0.0, 0.0, -1.0, 0.0]), np.array([0.0, -1.0, 0.0, 0.0])]   # right, then wrong (FROM)
+    summaries = localization_summaries(rows, prm)
+    assert set(summaries) == {"prm", "heuristic", "random", "execution", "confidence", "disagreement"}
+    assert summaries["heuristic"]["sees_gold"] and not summaries["disagreement"]["sees_gold"]
+    # Row 2: FROM below the true ORDER BY, which ties with SELECT and WHERE: rank 2, 3 or 4.
+    assert summaries["prm"]["top1"] == 0.5
+    assert summaries["prm"]["mrr"] == pytest.approx((1 + (1 / 2 + 1 / 3 + 1 / 4) / 3) / 2)
+    # confidence: WHERE least sure in row 1 (right); in row 2 FROM (-3.0) is below ORDER BY (-0.4): rank 2.
+    assert summaries["confidence"]["top1"] == 0.5 and summaries["confidence"]["mrr"] == pytest.approx(0.75)
+    assert summaries["disagreement"]["top1"] == 1.0
+    # Without the fields on every line, those baselines are left out rather than computed on a subset.
+    rows[1].pop("clause_logprob")
+    assert "confidence" not in localization_summaries(rows, prm)
