@@ -64,6 +64,9 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.model = ConfigDict()
     c.model.preset = arg.model                # tiny | small | qwen35_9b
     c.model.hf_dir = ""                       # load backbone weights from a local HF directory
+    # Backbone from an SFT (or GRPO) run's newest checkpoint: the policy is the stand-in for the paper's
+    # pretrained LLM (same preset and tokenizer; tied embeddings); the score head starts fresh.
+    c.model.init_from = ""
     c.model.tokenizer_dir = ""                # default: hf_dir, or the demo tokenizer
     c.model.dtype = "float32"                 # compute dtype
     c.model.param_dtype = "float32"

@@ -108,8 +108,10 @@ def validate(config) -> None:
         raise ValueError(f"data.kind={config.data.kind!r}; expected 'demo' or 'spider'")
     if config.model.preset not in PRESETS and not config.model.hf_dir:
         raise ValueError(f"model.preset={config.model.preset!r}; expected one of {PRESETS} or model.hf_dir")
-    if config.model.remat not in ("none", "full", "dots"):
-        raise ValueError(f"model.remat={config.model.remat!r}; expected none, full or dots")
+    from caper_jax.models.config import REMAT_POLICIES
+
+    if config.model.remat not in REMAT_POLICIES:
+        raise ValueError(f"model.remat={config.model.remat!r}; expected one of {REMAT_POLICIES}")
     loss_config(config)            # form / margin_weight / alpha
     lm_config(config)              # lm_coef >= 0
     annotation_settings(config)    # alpha, sigma, floor, per_query, compound
@@ -128,13 +130,61 @@ def validate(config) -> None:
             raise ValueError(f"{key} must be >= 1, got {config[key]}")
     mesh_lib.resolve_mesh_shape(tuple(config.mesh_shape.values()), jax.device_count())
     rules_lib.rules_dict(config.sharding_rules)
+    if config.model.get("init_from"):
+        check_init_from(config)
+
+
+class InitFromError(ValueError):
+    """model.init_from does not name an SFT/GRPO run whose backbone fits this PRM."""
+
+
+def check_init_from(config, vocab_size: int | None = None) -> None:
+    """The run named by ``model.init_from`` exists and matches the PRM's architecture: one clear error
+    before any data, annotation or training work (the parameters themselves are read in build_model)."""
+    from caper_jax.eval import restore
+
+    source = config.model.init_from
+    if config.model.hf_dir:
+        raise InitFromError(f"model.init_from={source!r} and model.hf_dir={config.model.hf_dir!r}: set one")
+    try:
+        step_dir = restore.latest_whole_step(restore.checkpoints_dir(source))
+        stored = restore.stored_config(step_dir)
+    except (restore.WorkdirError, FileNotFoundError) as error:
+        raise InitFromError(f"model.init_from={source!r}: {error}") from error
+    if stored.get("trainer") not in ("sft", "grpo"):
+        raise InitFromError(f"model.init_from={source!r}: {step_dir} was written by the "
+                            f"{stored.get('trainer')!r} trainer, not SFT/GRPO")
+    model = stored.get("model", {})
+    if model.get("hf_dir") or stored.get("policy", {}).get("hf_dir"):
+        raise InitFromError(f"model.init_from={source!r} started from HF weights; set model.hf_dir to those instead")
+    mismatched = {k: (model.get(k), config.model[k]) for k in ("preset", "param_dtype") if model.get(k) != config.model[k]}
+    if mismatched:
+        raise InitFromError(f"model.init_from={source!r}: the run's model differs from this PRM's "
+                            f"(stored, here): {mismatched}")
+    stored_vocab = restore.stored_param_shapes(step_dir).get("embed_tokens", (None,))[0]
+    if vocab_size is not None and stored_vocab != vocab_size:
+        raise InitFromError(f"model.init_from={source!r}: its embedding has {stored_vocab} rows but this PRM's "
+                            f"tokenizer has {vocab_size} tokens (a different tokenizer)")
 
 
 def build_model(config, vocab_size: int, mesh, rules) -> ClausePRM:
-    """A ClausePRM created directly in its sharded layout (random init, or HF weights)."""
+    """A ClausePRM created directly in its sharded layout: random init, HF weights, or (``model.init_from``)
+    the backbone of an SFT/GRPO run — the policy as the stand-in for pretraining; the score head is new."""
     from caper_jax.models.presets import model_preset
 
     runtime = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat)
+    if config.model.get("init_from"):
+        from caper_jax.eval.policy import load_policy
+        from caper_jax.prm.model import backbone_config
+
+        check_init_from(config, vocab_size)
+        # load_policy reads the newest whole checkpoint's params onto their shardings (eval/restore).
+        backbone = load_policy(config.model.init_from, mesh, rules, dtype=config.model.dtype).model
+        if not backbone.config.tie_word_embeddings:
+            del backbone.lm_head   # the PRM reads no vocabulary logits (as load_prm_backbone)
+        arch = backbone.config.replace(remat=config.model.remat)
+        backbone.config = backbone_config(arch)
+        return ClausePRM(arch, rngs=nnx.Rngs(config.seed), backbone=backbone)
     if config.model.hf_dir:
         from caper_jax.prm.export import load_prm_backbone
 
