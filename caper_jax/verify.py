@@ -12,12 +12,14 @@ forward per query, clause scores aggregated by ``--aggregate``; SQL that does no
 -inf, so it is chosen only when every candidate is unparseable) and executed. The last stdout line
 is the JSON summary over the scored lines::
 
-    {"n", "first", "vote", "prm", "aggregate", "prm_by_aggregate": {min, mean, last}, "any",
-     "excluded", "malformed"}
+    {"n", "first", "vote", "prm", "aggregate", "prm_by_aggregate": {min, mean, last, vote_min, vote_mean,
+     vote_last}, "any", "excluded", "malformed"}
 
 ``first`` is EX of the first candidate, ``vote`` of the majority vote by execution result
 (``caper_jax.evaluate_ex.majority_vote``), ``prm`` of the PRM's choice, ``any`` the oracle (some
-candidate right). ``--output`` gets one line per input line: the input fields, ``sql`` (the PRM's
+candidate right); ``prm_by_aggregate`` holds best-of-k by each aggregate and the PRM-weighted vote
+``vote_<aggregate>`` (``caper_jax.prm.scoring.weighted_vote``: the result class whose members'
+sigmoid scores sum highest). ``--output`` gets one line per input line: the input fields, ``sql`` (the PRM's
 choice), ``chosen``, ``correct``, ``clauses`` ([name, score] of the chosen SQL), ``score`` (its
 aggregate) and ``candidate_scores`` (every candidate's aggregate). Lines whose database is missing
 or whose gold fails are reported on stderr and excluded from ``n``; malformed lines are reported
@@ -132,6 +134,7 @@ def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: 
                 continue
             schema = databases.schema(example.db_id)
             lines.append({"prediction": prediction, "right": line.right, "vote": majority_vote(line.results, semantics),
+                          "classes": scoring.result_classes(line.results, semantics),
                           "rows": [{"question": example.question, "schema": schema, "sql": sql}
                                    for sql in prediction.candidates]})
     finally:
@@ -150,6 +153,7 @@ def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: 
         counts["any"] += any(right)
         for how in AGGREGATES:
             counts[how] += right[scoring.best_index(line["scores"], how)]
+            counts[scoring.VOTE_PREFIX + how] += right[scoring.weighted_vote(line["scores"], line["classes"], how)]
     n = len(scored)
     if output is not None:
         with open(output, "w", encoding="utf-8") as sink:
@@ -157,7 +161,7 @@ def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: 
                 sink.write(json.dumps(_output_row(line, aggregate), ensure_ascii=False) + "\n")
     rate = lambda key: counts[key] / n if n else 0.0  # noqa: E731
     return {"n": n, "first": rate("first"), "vote": rate("vote"), "prm": rate(aggregate), "aggregate": aggregate,
-            "prm_by_aggregate": {how: rate(how) for how in AGGREGATES}, "any": rate("any"),
+            "prm_by_aggregate": {how: rate(how) for how in scoring.SELECTORS}, "any": rate("any"),
             "excluded": dict(excluded), "malformed": len(malformed)}
 
 

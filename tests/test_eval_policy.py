@@ -42,12 +42,24 @@ def test_score_examples_by_hand(spider):
                [GARBAGE, GARBAGE, WRONG_ERROR]]     # nothing right
     with Executors(spider / "database") as executors:
         metrics, rows = policy_lib.score_examples(exs, greedy, samples, executors, prm_scores=stub_prm(set(gold)))
-        assert metrics.pop("prm") == pytest.approx({"min": 2 / 3, "mean": 2 / 3, "last": 2 / 3})
+        # Weighted vote: a gold (weight sigmoid(1)) outweighs two agreeing wrong rows (2 sigmoid(-1) = 0.54);
+        # nothing executes in the third: best-of-k decides.
+        assert metrics.pop("prm") == pytest.approx({"min": 2 / 3, "mean": 2 / 3, "last": 2 / 3, "vote_min": 2 / 3,
+                                                    "vote_mean": 2 / 3, "vote_last": 2 / 3})
         assert metrics == pytest.approx({"greedy": 2 / 3, "greedy_executable": 2 / 3, "first_sample": 1 / 3,
                                          "majority_vote": 1 / 3, "oracle": 2 / 3})
         assert [r["vote"] for r in rows] == [0, 0, 0]
         assert [r["prm"]["min"]["chosen"] for r in rows] == [1, 0, 2]  # garbage scores -inf: the error wins
         assert rows[2]["prm"]["mean"]["scores"][:2] == [None, None]
+        assert [r["prm"]["vote_min"]["chosen"] for r in rows] == [1, 0, 2]
+        assert rows[0]["prm"]["vote_min"]["classes"] == [0, 1, 0] and rows[2]["prm"]["vote_min"]["classes"] == [None] * 3
+        # The PRM likes only a wrong answer; three candidates agree on the right one: best-of-k follows the
+        # PRM, the weighted vote the three (3 sigmoid(-1) = 0.807 > sigmoid(1) = 0.731).
+        metrics, rows = policy_lib.score_examples(exs[:1], [WRONG_ROWS], [[WRONG_ROWS, gold[0], same_result, gold[0]]],
+                                                  executors, prm_scores=stub_prm({WRONG_ROWS}), aggregates=("min",))
+        assert metrics["prm"] == {"min": 0.0, "vote_min": 1.0}
+        assert rows[0]["prm"]["vote_min"]["chosen"] == 1
+        assert rows[0]["prm"]["vote_min"]["scores"] == pytest.approx([1 / (1 + np.exp(-1))] + [1 / (1 + np.e)] * 3)
         # A vote between two equal results written differently: they share a bucket.
         metrics, _ = policy_lib.score_examples(exs[:1], [WRONG_ROWS], [[WRONG_ROWS, gold[0], same_result]],
                                                executors)
@@ -99,11 +111,13 @@ def test_eval_config_end_to_end_agrees_with_evaluate_ex(runs, tmp_path, capsys):
     printed = json.loads(captured.out.strip().splitlines()[-1])
     results = json.loads((out / "results.json").read_text())
     metrics = results["metrics"]
-    assert printed == {"n": 3, "k": 2, **metrics} and set(metrics["prm"]) == {"min", "mean", "last"}
+    assert printed == {"n": 3, "k": 2, **metrics} and set(metrics["prm"]) == set(scoring.SELECTORS)
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(len(r["samples"]) == 2 for r in rows)
     for row in rows:
         for how, choice in row["prm"].items():
+            if how.startswith(scoring.VOTE_PREFIX):
+                continue
             values = [-np.inf if v is None else v for v in choice["scores"]]
             assert choice["chosen"] == int(np.argmax(values))
     # EX and majority vote recomputed by `evaluate ex` from the SQL the run wrote.

@@ -223,7 +223,9 @@ def test_rerank_ex_by_hand_and_against_evaluate_ex(spider, spider_lines, tmp_pat
                             report=messages.append)
     assert expected["n"] == 16
     assert {k: summary[k] for k in expected} == pytest.approx(expected)
-    assert summary["prm_by_aggregate"] == pytest.approx({"min": 0.5, "mean": 0.5, "last": 0.5})
+    # Weighted vote: a gold (sigmoid(1) = .73) outweighs the two agreeing wrong_b (2 sigmoid(-1) = .54).
+    assert summary["prm_by_aggregate"] == pytest.approx({"min": 0.5, "mean": 0.5, "last": 0.5, "vote_min": 0.5,
+                                                         "vote_mean": 0.5, "vote_last": 0.5})
     assert summary["excluded"] == {"missing_db": 1} and summary["malformed"] == 3
     assert any("missing" in m for m in messages) and sum("skipped" in m for m in messages) == 3
     # EX before reranking, from the independent evaluate ex implementation (mv over candidates lines).

@@ -14,6 +14,9 @@ For every example of a split (database present, gold executes):
   (``caper_jax.prm.scoring``) and the sample with the best aggregate of its clause scores wins —
   for each of ``min``, ``mean`` and ``last``, so the three aggregations are compared on the SAME
   samples; unparseable samples score -inf;
+* **PRM-weighted voting** (``vote_<aggregate>``, ``caper_jax.prm.scoring.weighted_vote``): the
+  execution-result class whose members' ``sigmoid(aggregate)`` sum is largest — the vote of MV@k,
+  weighted by what the PRM thinks of each member;
 * **first sample** (sample@1) and **oracle@k** (some sample right) bracket the selectors.
 
 EX follows ``evaluate ex``: Spider semantics (ordered iff the gold has ORDER BY) or BIRD's; errors
@@ -192,10 +195,17 @@ def score_examples(examples: Sequence[Any], greedy: Sequence[str], samples: Sequ
             if scores:
                 mine = scores[i * k:(i + 1) * k]
                 row["prm"] = {}
+                classes = scoring.result_classes(results, semantics)
                 for how in aggregates:
                     best = scoring.best_index(mine, how)
                     counts[f"prm_{how}"] += correct[best]
                     row["prm"][how] = {"chosen": best, "scores": [_plain(scoring.aggregate(s, how)) for s in mine]}
+                for how in aggregates:  # PRM-weighted voting: the result class with the most sigmoid(score)
+                    chosen = scoring.weighted_vote(mine, classes, how)
+                    counts[f"prm_vote_{how}"] += correct[chosen]
+                    row["prm"][scoring.VOTE_PREFIX + how] = {
+                        "chosen": chosen, "classes": classes,
+                        "scores": [scoring.member_weight(scoring.aggregate(s, how)) for s in mine]}
         rows.append(row)
     n = len(rows)
     rate = lambda key: counts[key] / n if n else 0.0  # noqa: E731
@@ -204,6 +214,7 @@ def score_examples(examples: Sequence[Any], greedy: Sequence[str], samples: Sequ
         metrics.update(first_sample=rate("first_sample"), majority_vote=rate("majority_vote"), oracle=rate("oracle"))
         if scores:
             metrics["prm"] = {how: rate(f"prm_{how}") for how in aggregates}
+            metrics["prm"].update({scoring.VOTE_PREFIX + how: rate(f"prm_vote_{how}") for how in aggregates})
     return metrics, rows
 
 

@@ -77,7 +77,8 @@ def policy_table(results: dict) -> str:
     rows = [("greedy", "greedy decoding", metrics.get("greedy")),
             ("sample@1", "first of the k samples", metrics.get("first_sample")),
             (f"MV@{k}", "majority vote by execution result", metrics.get("majority_vote"))]
-    rows += [(f"PRM-{how}@{k}", f"best of k by PRM, clause scores aggregated by {how}", value)
+    rows += [(f"PRM-{how}@{k}", f"PRM-weighted vote: result class with the most sigmoid({how[5:]}) of its members"
+              if how.startswith("vote_") else f"best of k by PRM, clause scores aggregated by {how}", value)
              for how, value in metrics.get("prm", {}).items()]
     rows.append((f"oracle@{k}", "some sample correct (upper bound)", metrics.get("oracle")))
     lines = ["| method | selection | EX (%) |", "|---|---|---|"]

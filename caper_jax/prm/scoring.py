@@ -27,6 +27,16 @@ Aggregation of a query's clause scores into one number (``aggregate``), used to 
 
 NaN (truncated) clauses are ignored; a query with no scored clause (unparseable) aggregates to
 ``-inf`` so it is never chosen over a query that parses.
+
+**PRM-weighted voting** (``vote_min``, ``vote_mean``, ``vote_last``; ``weighted_vote``): candidates
+are grouped by execution result as majority vote groups them; a group scores the sum of its
+members' weights ``sigmoid(aggregate)``, and the best group's best-scored member is chosen. Why the
+sigmoid: the PRM is trained with a Bradley-Terry (logistic) pair loss with its scores centred near 0,
+so ``sigmoid(score)`` is on the scale the loss gives meaning to, and each member adds a bounded vote
+in (0, 1): three agreeing candidates the PRM finds middling still outvote one it likes, as in a vote,
+while the PRM breaks near-ties. ``exp(score)`` would let a single high score outweigh any group, i.e.
+drift back to best-of-k. Failed executions cast no vote; unparseable SQL weighs 0. When no candidate
+executes, the choice falls back to best-of-k by the same aggregate.
 """
 from __future__ import annotations
 
@@ -48,6 +58,8 @@ from caper_jax.prm.model import ClausePRM
 from caper_jax.sql.clauses import SqlParseError, split_clauses
 
 AGGREGATES = ("min", "mean", "last")
+VOTE_PREFIX = "vote_"
+SELECTORS = AGGREGATES + tuple(VOTE_PREFIX + how for how in AGGREGATES)   # every PRM reranker, as reported
 DEFAULT_MAX_LEN = 1024
 
 
@@ -77,6 +89,61 @@ def best_index(per_candidate: Sequence[np.ndarray], how: str) -> int:
     """The candidate with the highest aggregate; ties (and all -inf) go to the earliest."""
     values = [aggregate(s, how) for s in per_candidate]
     return int(np.argmax(values)) if values else 0
+
+
+def member_weight(aggregate_score: float) -> float:
+    """A candidate's vote in PRM-weighted voting: sigmoid of its aggregate (0 for -inf; module docstring)."""
+    x = float(aggregate_score)
+    if np.isnan(x) or x == float("-inf"):
+        return 0.0
+    return float(0.5 * (1.0 + np.tanh(0.5 * x)))   # = 1 / (1 + e^-x), without overflow
+
+
+def result_classes(results: Sequence[Any], semantics: str) -> list[int | None]:
+    """Execution-result class of each candidate (None for a failed execution), numbered in order of first
+    appearance; two results share a class when majority vote would count them as one answer."""
+    from caper_jax.sql.execution import results_equal
+    from caper_jax.sql.semantics import comparison
+
+    representatives: list[Any] = []
+    out: list[int | None] = []
+    for result in results:
+        if not result.ok:
+            out.append(None)
+            continue
+        for c, rep in enumerate(representatives):
+            if results_equal(rep, result, semantics=comparison(semantics), ordered=False):
+                out.append(c)
+                break
+        else:
+            representatives.append(result)
+            out.append(len(representatives) - 1)
+    return out
+
+
+def weighted_vote(per_candidate: Sequence[np.ndarray], classes: Sequence[int | None], how: str) -> int:
+    """The PRM-weighted vote's choice (module docstring); ties between groups go to the earliest group."""
+    if len(per_candidate) != len(classes):
+        raise ScoringError(f"{len(per_candidate)} candidates but {len(classes)} result classes")
+    values = [aggregate(s, how) for s in per_candidate]
+    totals: dict[int, float] = {}
+    for value, c in zip(values, classes):
+        if c is not None:
+            totals[c] = totals.get(c, 0.0) + member_weight(value)
+    if not totals:
+        return best_index(per_candidate, how)
+    best_class = max(sorted(totals), key=lambda c: totals[c])    # sorted: the earliest group wins ties
+    members = [i for i, c in enumerate(classes) if c == best_class]
+    return max(members, key=lambda i: (values[i], -i))
+
+
+def select(per_candidate: Sequence[np.ndarray], how: str, classes: Sequence[int | None] | None = None) -> int:
+    """The candidate a selector of ``SELECTORS`` picks: best-of-k by an aggregate, or the weighted vote."""
+    if how.startswith(VOTE_PREFIX):
+        if classes is None:
+            raise ScoringError(f"{how} needs the candidates' execution-result classes")
+        return weighted_vote(per_candidate, classes, how[len(VOTE_PREFIX):])
+    return best_index(per_candidate, how)
 
 
 def clause_names(sql: str) -> list[str]:
