@@ -36,6 +36,7 @@ from sqlglot.optimizer.normalize_identifiers import normalize_identifiers
 from sqlglot.optimizer.qualify import qualify
 from sqlglot.optimizer.scope import Scope, traverse_scope
 
+from caper_jax.sql import equivalences
 from caper_jax.sql.clauses import compound_name
 from caper_jax.sql.schema import Schema
 
@@ -137,14 +138,19 @@ def schema_mapping(schema: AnySchema | None) -> dict[str, dict[str, str]] | None
     return {t.lower(): {c.lower(): "TEXT" for c in cols} for t, cols in schema.items()}
 
 
-def canonicalize(sql: str | exp.Expression, schema: AnySchema | None = None) -> Canonical:
+def canonicalize(sql: str | exp.Expression, schema: AnySchema | None = None, *,
+                 rules: Sequence[str] | None = equivalences.ALL,
+                 facts: equivalences.SchemaFacts | None = None) -> Canonical:
     """Canonical AST of a query (see module docstring). Never mutates its input.
 
     ``schema`` is a ``caper_jax.sql.schema.Schema`` or a table -> column -> type mapping.
+    ``rules`` names the equivalence rules to apply (``caper_jax.sql.equivalences``; all by default,
+    ``()`` for none); ``facts`` is what they may assume about NULLs and keys (default: the primary
+    keys of a ``Schema``, nothing for a mapping).
     """
     tree = parse(sql) if isinstance(sql, str) else sql.copy()
     written = {t.alias_or_name.lower(): t.alias_or_name for t in tree.find_all(exp.Table)}
-    schema = schema_mapping(schema)
+    schema_arg, schema = schema, schema_mapping(schema)
     if schema:
         tree = _quoted_strings_to_literals(tree, schema)
     qualified = True
@@ -157,6 +163,13 @@ def canonicalize(sql: str | exp.Expression, schema: AnySchema | None = None) -> 
     aliases = {canonical: written.get(alias, alias)
                for canonical, alias in _rename_table_instances(tree).items()}
     _drop_projection_aliases(tree)
+    rules = equivalences.ALL if rules is None else rules
+    if rules:
+        if facts is None and isinstance(schema_arg, Schema):
+            facts = equivalences.SchemaFacts.from_schema(schema_arg)
+        elif facts is None and schema_arg is not None:
+            facts = equivalences.SchemaFacts.from_mapping(schema_arg)
+        equivalences.apply_rules(tree, facts, rules)
     return Canonical(tree=tree, qualified=qualified, aliases=aliases)
 
 
@@ -171,24 +184,42 @@ def _quoted_strings_to_literals(tree: exp.Expression, schema: SchemaMapping) -> 
 
 
 def _rename_table_instances(tree: exp.Expression) -> dict[str, str]:
-    """Renames table aliases to table names (name_2, ... for repeats in one scope).
+    """Renames table aliases to table names (name_2, ... for repeats).
 
-    Resolution happens per scope before any renaming, so correlated columns of a subquery keep
-    pointing at the outer table. Returns the outer scope's canonical name -> original alias.
+    A name is repeated when the same table appears twice in one scope, or in a scope and one that
+    encloses it (``FROM countrylanguage AS T1 WHERE ... (SELECT ... FROM countrylanguage AS T3
+    WHERE T3.code = T1.code)``: the inner instance becomes ``countrylanguage_2``, so the
+    correlation survives). Scopes are named outermost first. Resolution happens per scope before
+    any renaming, so correlated columns of a subquery keep pointing at the outer table. Returns
+    the outer scope's canonical name -> original alias.
     """
     renames: list[tuple[exp.Expression, str]] = []
     outer_aliases: dict[str, str] = {}
     scopes = list(traverse_scope(tree)) if isinstance(tree, exp.Query) else []
     scope_maps: dict[int, dict[str, str]] = {}
-    for scope in scopes:
+
+    def depth(scope: Scope) -> int:
+        d = 0
+        while scope.parent is not None:
+            scope, d = scope.parent, d + 1
+        return d
+
+    for scope in sorted(scopes, key=depth):
         mapping: dict[str, str] = {}
-        counts: dict[str, int] = {}
+        taken: set[str] = set()
+        ancestor = scope.parent
+        while ancestor is not None:
+            taken |= set(scope_maps.get(id(ancestor), {}).values())
+            ancestor = ancestor.parent
         for alias, source in scope.selected_sources.items():
             _, source = source
             if not isinstance(source, exp.Table):
                 continue
-            counts[source.name] = counts.get(source.name, 0) + 1
-            canonical = source.name if counts[source.name] == 1 else f"{source.name}_{counts[source.name]}"
+            canonical, k = source.name, 1
+            while canonical in taken:
+                k += 1
+                canonical = f"{source.name}_{k}"
+            taken.add(canonical)
             mapping[alias] = canonical
             renames.append((source, canonical))
             if scope.parent is None:
@@ -196,7 +227,8 @@ def _rename_table_instances(tree: exp.Expression) -> dict[str, str]:
         scope_maps[id(scope)] = mapping
     column_renames: list[tuple[exp.Column, str]] = []
     for scope in scopes:
-        for column in scope.columns:
+        stars = [c for c in scope.expression.find_all(exp.Column) if isinstance(c.this, exp.Star) and c.table]
+        for column in list(scope.columns) + stars:
             target = _resolve(scope, column.table, scope_maps)
             if target is not None:
                 column_renames.append((column, target))
@@ -219,9 +251,25 @@ def _resolve(scope: Scope | None, alias: str, scope_maps: dict[int, dict[str, st
     return None
 
 
+def _names_its_output(select: exp.Select) -> bool:
+    """A derived table or CTE body (or an operand of one): outer scopes read its columns by name."""
+    node = select
+    while isinstance(node.parent, (exp.SetOperation, exp.Subquery)):
+        node = node.parent
+        if isinstance(node, exp.Subquery) and isinstance(node.parent, (exp.From, exp.Join)):
+            return True
+    return isinstance(node.parent, exp.CTE) or (
+        isinstance(node, exp.Subquery) and isinstance(node.parent, (exp.From, exp.Join)))
+
+
 def _drop_projection_aliases(tree: exp.Expression) -> None:
-    """Drops projection aliases, first replacing ORDER BY references to them by their expression."""
+    """Drops projection aliases, first replacing ORDER BY references to them by their expression.
+
+    The aliases of a derived table or CTE stay: the enclosing query reads those columns by name.
+    """
     for select in list(tree.find_all(exp.Select)):
+        if _names_its_output(select):
+            continue
         named = {e.alias: e.this for e in select.expressions if isinstance(e, exp.Alias)}
         order = select.args.get("order")
         if order is not None and named:
