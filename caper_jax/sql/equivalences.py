@@ -34,8 +34,8 @@ Rules, in the order they run:
     operands' multiplicities, and UNION ALL under it keeps which rows occur); the query of an IN
     or EXISTS subquery; and inside MIN / MAX.
 ``select_column_order``
-    The projections of the outermost SELECT (not of a compound query) are sorted by their
-    canonical key. Only where the comparison of results forgives column order: Spider's
+    The projections of the outermost SELECT are sorted by their canonical key; in a compound
+    query, those of its first operand, and every other operand's columns permuted the same way. Only where the comparison of results forgives column order: Spider's
     ``results_equal`` tries every column permutation; BIRD's set comparison does not, so
     ``rules_for("bird")`` leaves this rule out. A query whose ORDER BY or GROUP BY names an output
     column by number keeps its order.
@@ -397,18 +397,42 @@ def redundant_distinct(tree: exp.Expression, facts: SchemaFacts) -> None:
             node.set("this", node.this.expressions[0])
 
 
-def select_column_order(tree: exp.Expression, facts: SchemaFacts) -> None:
-    if not isinstance(tree, exp.Select) or len(tree.expressions) < 2:
-        return
+def _is_star(node: exp.Expression) -> bool:
+    return isinstance(node, exp.Star) or (isinstance(node, exp.Column) and isinstance(node.this, exp.Star))
+
+
+def _names_by_number(node: exp.Expression) -> bool:
     for key in ("order", "group"):
-        clause = tree.args.get(key)
+        clause = node.args.get(key)
         if clause is not None and any(isinstance(e.this if isinstance(e, exp.Ordered) else e, exp.Literal)
                                       for e in clause.expressions):
-            return
-    if any(isinstance(p, exp.Star) or (isinstance(p, exp.Column) and isinstance(p.this, exp.Star))
-           for p in tree.expressions):
+            return True
+    return False
+
+
+def _operands(tree: exp.Expression) -> list[exp.Expression]:
+    if isinstance(tree, exp.Subquery):
+        return _operands(tree.this)
+    if isinstance(tree, exp.SetOperation):
+        return _operands(tree.this) + _operands(tree.expression)
+    return [tree]
+
+
+def select_column_order(tree: exp.Expression, facts: SchemaFacts) -> None:
+    operands = _operands(tree)
+    if not all(isinstance(o, exp.Select) for o in operands) or _names_by_number(tree):
+        return
+    width = len(operands[0].expressions)
+    if width < 2 or any(len(o.expressions) != width or _names_by_number(o) for o in operands):
+        return
+    if any(_is_star(p) for o in operands for p in o.expressions):
         return      # * expands to columns in table order; keep its place among the others
-    tree.set("expressions", sorted(tree.expressions, key=_key))
+    # The first operand's projections sorted; every operand of a compound permuted alike, so
+    # that its columns still line up.
+    order = sorted(range(width), key=lambda i: _key(operands[0].expressions[i]))
+    for operand in operands:
+        expressions = operand.expressions
+        operand.set("expressions", [expressions[i] for i in order])
 
 
 RULES: tuple[Rule, ...] = (

@@ -29,17 +29,19 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 
 from sqlglot import exp
 from sqlglot.errors import ParseError
 
 from caper_jax.sql import canonical as canon
-from caper_jax.sql import propagation
+from caper_jax.sql import equivalences, propagation
 from caper_jax.sql.canonical import (AnySchema, Canonical, ClauseSlot, LabelledNode, Position, align,
                                     position_rank, positions)
 from caper_jax.sql.clauses import COMPOUND_NAMES, ClauseUnit, SqlParseError, compound_name, split_clauses
 from caper_jax.sql.edit_script import EditScript, edit_script
 from caper_jax.sql.execution import ExecResult, Executor, order_matters, results_equal
+from caper_jax.sql.suspects import suspect_reason, tie_equivalent
 
 
 class GoldError(ValueError):
@@ -53,15 +55,21 @@ class Localization:
     clause_rewards: dict[str, float]         # prediction's clause position -> reward <= 0
     root_node: str | None                    # SQL text of v* (None: correct, or a missing clause)
     edit_script: tuple[dict, ...]            # minimum-cost edit ops, see edit_script.EditOp
-    corrected_sql: str | None                # prediction with the divergent clause repaired
+    corrected_sql: str | None                # prediction with the root and later divergent clauses repaired
     reason: str                              # which rule of the module docstring applied
     pred_error_kind: str | None = None       # the prediction's execution error, if any
+    suspect: str | None = None               # why the failure may not be an error (suspects.py), or None
+    harmless: tuple[str, ...] = ()           # divergent clauses kept: harmless here, by execution
+    corrected_verified: bool = False         # corrected_sql executes to gold's result
+    executions: int = 0                      # queries executed beyond gold and prediction
 
     def as_dict(self) -> dict:
         return {"correct": self.correct, "root_clause": self.root_clause,
                 "clause_rewards": self.clause_rewards, "root_node": self.root_node,
                 "edit_script": list(self.edit_script), "corrected_sql": self.corrected_sql,
-                "reason": self.reason, "pred_error_kind": self.pred_error_kind}
+                "reason": self.reason, "pred_error_kind": self.pred_error_kind, "suspect": self.suspect,
+                "harmless": list(self.harmless), "corrected_verified": self.corrected_verified,
+                "executions": self.executions}
 
 
 def clause_units(sql: str) -> dict[Position, ClauseUnit]:
@@ -70,49 +78,132 @@ def clause_units(sql: str) -> dict[Position, ClauseUnit]:
     return dict(zip(positions([u.name for u in units]), units))
 
 
+class _Counting:
+    """An executor wrapper that counts the queries asked of it (the extra executions)."""
+
+    def __init__(self, executor: Executor):
+        self.executor = executor
+        self.count = 0
+
+    def execute(self, sql: str) -> ExecResult:
+        self.count += 1
+        return self.executor.execute(sql)
+
+
 def localize(gold_sql: str, pred_sql: str, executor: Executor, schema: AnySchema | None = None,
              *, alpha: float = 1.0, sigma: float = 1.0, reference_edges: bool = True,
-             semantics: str = "spider") -> Localization:
-    """Localises the root cause of ``pred_sql`` against ``gold_sql`` (see module docstring)."""
+             semantics: str = "spider", rules: Sequence[str] | None = None, verify: bool = True,
+             suspects: bool = True) -> Localization:
+    """Localises the root cause of ``pred_sql`` against ``gold_sql`` (see module docstring).
+
+    ``rules``: the equivalence rules of canonicalisation (default ``equivalences.rules_for
+    (semantics)``; ``()`` for none). ``verify=False`` skips the execution-verified walk (the
+    canonical comparison alone); ``suspects=False`` skips the suspect checks.
+    """
     gold_result = executor.execute(gold_sql)
     if not gold_result.ok:
         raise GoldError(f"gold query does not run ({gold_result.error_kind}): {gold_result.error}")
     pred_result = executor.execute(pred_sql)
-    if pred_result.ok and results_equal(gold_result, pred_result, semantics=semantics,
-                                        ordered=order_matters(gold_sql)):
+    ordered = order_matters(gold_sql)
+    if pred_result.ok and results_equal(gold_result, pred_result, semantics=semantics, ordered=ordered):
         return Localization(True, None, {}, None, (), None, "execution_match")
-    return localize_failed(gold_sql, pred_sql, schema, pred_result, alpha=alpha, sigma=sigma,
-                           reference_edges=reference_edges)
+    rules = equivalences.rules_for(semantics) if rules is None else tuple(rules)
+    facts = equivalences.SchemaFacts.from_sqlite(executor.db_path) if hasattr(executor, "db_path") else None
+    counting = _Counting(executor)
+    found = localize_failed(gold_sql, pred_sql, schema, pred_result, alpha=alpha, sigma=sigma,
+                            reference_edges=reference_edges, executor=counting if verify else None,
+                            gold_result=gold_result, semantics=semantics, rules=rules, facts=facts)
+    suspect = None
+    if suspects:
+        suspect = suspect_reason(gold_sql, pred_sql, gold_result, pred_result, counting, schema,
+                                 semantics=semantics)
+    return dataclasses.replace(found, suspect=suspect, executions=counting.count)
 
 
 def localize_failed(gold_sql: str, pred_sql: str, schema: AnySchema | None,
                     pred_result: ExecResult, *, alpha: float, sigma: float,
-                    reference_edges: bool) -> Localization:
-    """Localisation of a prediction already known to be wrong."""
+                    reference_edges: bool, executor=None, gold_result: ExecResult | None = None,
+                    semantics: str = "spider", rules: Sequence[str] | None = None,
+                    facts: equivalences.SchemaFacts | None = None) -> Localization:
+    """Localisation of a prediction already known to be wrong.
+
+    With an ``executor`` (and ``gold_result``) the divergent clauses are walked and verified by
+    execution (module docstring, rule 3); without one, the canonical comparison alone decides.
+    """
+    rules = equivalences.rules_for(semantics) if rules is None else tuple(rules)
     try:
-        gold = canon.canonicalize(gold_sql, schema)
+        gold = canon.canonicalize(gold_sql, schema, rules=rules, facts=facts)
     except canon.CanonicalizeError as e:
         raise GoldError(f"gold query does not parse: {e}") from e
     error_kind = pred_result.error_kind
     try:
-        pred = canon.canonicalize(pred_sql, schema)
+        pred = canon.canonicalize(pred_sql, schema, rules=rules, facts=facts)
     except canon.CanonicalizeError as e:
         return _unparseable(gold_sql, pred_sql, e.__cause__, alpha, error_kind or "parse")
 
     gold_slots = _by_position(canon.clause_slots(gold.tree))
     pred_slots = _by_position(canon.clause_slots(pred.tree))
-    position = divergent_position(gold_slots, pred_slots)
-    if position is not None:
-        return _counterfactual(position, gold, pred, gold_slots.get(position), pred_slots.get(position),
-                               pred_sql, schema, alpha, sigma, reference_edges, error_kind)
-    fallback = _textual_root(gold_sql, pred_sql) or "SELECT"
-    rewards = {p.key: (-alpha if p.key == fallback else 0.0) for p in pred_slots}
-    return Localization(False, fallback, rewards, None, (), None, "no_canonical_difference", error_kind)
+    divergent = divergent_positions(gold_slots, pred_slots)
+    if not divergent and rules:
+        # The equivalences left no clause that differs, yet the results differ (SQLite's type
+        # affinity can make equated columns print apart): compare the plain canonical forms.
+        gold = canon.canonicalize(gold_sql, schema, rules=())
+        pred = canon.canonicalize(pred_sql, schema, rules=())
+        gold_slots = _by_position(canon.clause_slots(gold.tree))
+        pred_slots = _by_position(canon.clause_slots(pred.tree))
+        divergent = divergent_positions(gold_slots, pred_slots)
+    if not divergent:
+        fallback = _textual_root(gold_sql, pred_sql) or "SELECT"
+        rewards = {p.key: (-alpha if p.key == fallback else 0.0) for p in pred_slots}
+        return Localization(False, fallback, rewards, None, (), None, "no_canonical_difference", error_kind)
+
+    if executor is None or gold_result is None:
+        walk = _Walk(canonical_root(gold_slots, pred_slots, divergent), (), None, "canonical_fallback:no_executor")
+    else:
+        walk = _verified_walk(gold, pred, gold_slots, pred_slots, divergent, executor, gold_result,
+                              order_matters(gold_sql), semantics)
+        if walk.reason.startswith("canonical_fallback") and rules:
+            # A rule can make the prediction's clause name a table gold's FROM lacks (an equated
+            # column's representative): walk the plain canonical forms, whose hybrids verify the
+            # same surface differences by execution instead.
+            plain_gold = canon.canonicalize(gold_sql, schema, rules=())
+            plain_pred = canon.canonicalize(pred_sql, schema, rules=())
+            plain_gold_slots = _by_position(canon.clause_slots(plain_gold.tree))
+            plain_pred_slots = _by_position(canon.clause_slots(plain_pred.tree))
+            plain_divergent = divergent_positions(plain_gold_slots, plain_pred_slots)
+            if plain_divergent:
+                plain = _verified_walk(plain_gold, plain_pred, plain_gold_slots, plain_pred_slots,
+                                       plain_divergent, executor, gold_result, order_matters(gold_sql),
+                                       semantics)
+                if plain.reason == "verified":
+                    walk = dataclasses.replace(plain, reason="verified:without_rules")
+                    gold, pred, gold_slots, pred_slots = plain_gold, plain_pred, plain_gold_slots, plain_pred_slots
+                    divergent = plain_divergent
+    position = walk.root
+    repaired = [p for p in divergent if position_rank(p) >= position_rank(position)]
+    corrected, verified = _corrected(walk, gold, pred, pred_sql, repaired, executor, gold_result,
+                                     order_matters(gold_sql), semantics)
+    found = _counterfactual(position, gold, pred, gold_slots.get(position), pred_slots.get(position),
+                            pred_sql, schema, alpha, sigma, reference_edges, error_kind)
+    return dataclasses.replace(found, corrected_sql=corrected, corrected_verified=verified, reason=walk.reason,
+                               harmless=tuple(p.key for p in walk.kept))
+
+
+def divergent_positions(gold: dict[Position, ClauseSlot], pred: dict[Position, ClauseSlot]) -> list[Position]:
+    """Every position, in written order, whose canonical clauses differ (or exist on one side)."""
+    return [p for p in align(list(gold), list(pred)) if _differs(gold.get(p), pred.get(p))]
 
 
 def divergent_position(gold: dict[Position, ClauseSlot],
                        pred: dict[Position, ClauseSlot]) -> Position | None:
-    """The first position, in written order, whose canonical clauses differ.
+    """The canonical root: the first divergent position in written order (``canonical_root``)."""
+    divergent = divergent_positions(gold, pred)
+    return canonical_root(gold, pred, divergent) if divergent else None
+
+
+def canonical_root(gold: dict[Position, ClauseSlot], pred: dict[Position, ClauseSlot],
+                   candidates: Sequence[Position]) -> Position:
+    """The first of ``candidates`` (divergent positions in written order).
 
     Qualification makes a column carry its table, so a wrong table in FROM also changes the
     SELECT written before it. A clause that differs from gold only in which tables its columns
@@ -120,16 +211,80 @@ def divergent_position(gold: dict[Position, ClauseSlot],
     the root cause there.
     """
     from_position = Position("FROM")
-    from_differs = _differs(gold.get(from_position), pred.get(from_position))
-    for position in align(list(gold), list(pred)):
-        g, p = gold.get(position), pred.get(position)
-        if not _differs(g, p):
+    from_differs = from_position in candidates
+    first = candidates[0]
+    if (from_differs and position_rank(first) < position_rank(from_position)
+            and not _differs(gold.get(first), pred.get(first), qualifiers=False)):
+        return from_position
+    return first
+
+
+@dataclasses.dataclass(frozen=True)
+class _Walk:
+    root: Position
+    kept: tuple[Position, ...]               # divergent clauses shown harmless, before the root
+    corrected: exp.Expression | None         # a corrected tree already verified, if any
+    reason: str
+
+
+def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, divergent: list[Position],
+                   executor, gold_result: ExecResult, ordered: bool, semantics: str) -> _Walk:
+    """Rule 3 of the module docstring: keep each divergent clause whose hybrid gives gold's result."""
+    kept: list[Position] = []
+    verified: exp.Expression | None = None
+    for i, position in enumerate(divergent):
+        later = divergent[i + 1:]
+        if not later:       # keeping every divergent clause is the prediction itself, which fails
+            return _Walk(position, tuple(kept), verified, "verified")
+        hybrid = _repair_all(pred.tree, gold.tree, later)
+        result = executor.execute(hybrid.sql(dialect=canon.DIALECT)) if hybrid is not None else None
+        if result is None or not result.ok:
+            # The prediction's clause does not fit gold's later clauses (a table it names is not
+            # there, a join rewritten as a subquery, ...): the canonical comparison decides.
+            why = "hybrid_unbuilt" if result is None else "hybrid_fails"
+            root = canonical_root(gold_slots, pred_slots, divergent[i:])
+            return _Walk(root, tuple(kept), verified, f"canonical_fallback:{why}")
+        if _same_answer(gold.tree, gold_result, result, executor, semantics, ordered):
+            kept.append(position)
+            verified = hybrid
             continue
-        if (from_differs and position_rank(position) < position_rank(from_position)
-                and not _differs(g, p, qualifiers=False)):
-            return from_position
-        return position
-    return None
+        return _Walk(position, tuple(kept), verified, "verified")
+    raise AssertionError("unreachable: the last divergent clause is always the root")
+
+
+def _corrected(walk: _Walk, gold: Canonical, pred: Canonical, pred_sql: str, repaired: list[Position],
+               executor, gold_result: ExecResult | None, ordered: bool, semantics: str
+               ) -> tuple[str | None, bool]:
+    """The corrected query's text and whether it executes to gold's result.
+
+    The prediction with the root and every later divergent clause repaired (the harmless ones
+    before the root stay): spliced into the prediction's own text where that runs to gold's
+    result, else the whole corrected tree in the prediction's aliases, else in canonical names.
+    """
+    tree = walk.corrected if walk.corrected is not None else _repair_all(pred.tree, gold.tree, repaired)
+    if tree is None:
+        return None, False
+    aliased = _with_aliases(tree, pred.aliases).sql(dialect=canon.DIALECT)
+    candidates = [_splice(pred_sql, aliased, repaired), aliased, tree.sql(dialect=canon.DIALECT)]
+    candidates = [c for i, c in enumerate(candidates) if c is not None and c not in candidates[:i]]
+    if executor is None or gold_result is None:
+        return candidates[0], False
+    for text in candidates:
+        result = executor.execute(text)
+        if result.ok and _same_answer(gold.tree, gold_result, result, executor, semantics, ordered):
+            return text, True
+    return candidates[0], False
+
+
+def _same_answer(gold_tree: exp.Expression, gold_result: ExecResult, result: ExecResult, executor,
+                 semantics: str, ordered: bool) -> bool:
+    """gold's result, or gold's result under another break of the ties of its ORDER BY: a
+    hybrid that only breaks a tie otherwise did not change what the query answers."""
+    if not result.ok:
+        return False
+    if results_equal(gold_result, result, semantics=semantics, ordered=ordered):
+        return True
+    return ordered and tie_equivalent(gold_tree, gold_result, result, executor)
 
 
 def _differs(g: ClauseSlot | None, p: ClauseSlot | None, *, qualifiers: bool = True) -> bool:
@@ -161,9 +316,8 @@ def _counterfactual(position: Position, gold: Canonical, pred: Canonical, g: Cla
                                          reference_edges=reference_edges, schema=schema)
     if p is None:
         rewards[position.key] = -alpha      # the missing clause's position
-    corrected = _corrected_sql(position, gold, pred, pred_sql)
     return Localization(False, position.name, rewards, root_node,
-                        tuple(op.as_dict() for op in script.ops), corrected, "divergent_clause", error_kind)
+                        tuple(op.as_dict() for op in script.ops), None, "divergent_clause", error_kind)
 
 
 def _in_query(clause: LabelledNode, v_star: LabelledNode | None) -> LabelledNode:
@@ -188,29 +342,48 @@ def _slot_sql(slot: ClauseSlot) -> str:
 # --------------------------------------------------------------------------------------------
 # The corrected query.
 
-def _corrected_sql(position: Position, gold: Canonical, pred: Canonical, pred_sql: str) -> str | None:
-    """Prediction text with the divergent clause replaced by gold's, in the prediction's aliases."""
-    repaired = _repair(pred.tree, gold.tree, position)
-    rendered = _with_aliases(repaired, pred.aliases).sql(dialect=canon.DIALECT)
+def _splice(pred_sql: str, rendered: str, repaired: Sequence[Position]) -> str | None:
+    """The prediction's text with each repaired clause replaced by its text in ``rendered``
+    (inserted before the next clause when the prediction lacks it, removed when gold lacks it),
+    right to left so that earlier offsets stay valid. None when either text does not split."""
     try:
         new_units, old_units = clause_units(rendered), clause_units(pred_sql)
     except SqlParseError:
-        return rendered
-    new, old = new_units.get(position), old_units.get(position)
-    if old is not None and new is not None:
-        return pred_sql[:old.start] + new.text + pred_sql[old.end:]
-    if old is not None:         # gold lacks the clause: drop it
-        return (pred_sql[:old.start].rstrip() + " " + pred_sql[old.end:].lstrip()).strip()
-    if new is not None:         # the prediction lacks it: insert before the next clause
-        later = [u for p, u in old_units.items() if position_rank(p) > position_rank(position)]
-        at = min((u.start for u in later), default=len(pred_sql.rstrip().rstrip(";").rstrip()))
-        return (pred_sql[:at].rstrip() + " " + new.text + " " + pred_sql[at:].lstrip()).strip()
-    return rendered
+        return None
+    text = pred_sql
+    for position in sorted(repaired, key=position_rank, reverse=True):
+        new, old = new_units.get(position), old_units.get(position)
+        if old is not None and new is not None:
+            text = text[:old.start] + new.text + text[old.end:]
+        elif old is not None:         # gold lacks the clause: drop it
+            text = (text[:old.start].rstrip() + " " + text[old.end:].lstrip()).strip()
+        elif new is not None:         # the prediction lacks it: insert before the next clause
+            later = [u for p, u in old_units.items() if position_rank(p) > position_rank(position)]
+            at = min((u.start for u in later), default=len(text.rstrip().rstrip(";").rstrip()))
+            text = (text[:at].rstrip() + " " + new.text + " " + text[at:].lstrip()).strip()
+    return text
 
 
 def _repair(pred_tree: exp.Expression, gold_tree: exp.Expression, position: Position) -> exp.Expression:
     """Copy of pred's canonical tree with gold's clause at ``position`` (set, replaced or removed)."""
-    repaired = pred_tree.copy()
+    return _apply_repair(pred_tree.copy(), gold_tree, position)
+
+
+def _repair_all(pred_tree: exp.Expression, gold_tree: exp.Expression,
+                repaired: Sequence[Position]) -> exp.Expression | None:
+    """Copy of pred's canonical tree with gold's clauses at every position of ``repaired``, in
+    written order (compound operators before the ORDER BY / LIMIT of the compound result). None
+    when gold's clause has no place in the prediction's structure."""
+    tree = pred_tree.copy()
+    try:
+        for position in sorted(repaired, key=position_rank):
+            tree = _apply_repair(tree, gold_tree, position)
+    except (KeyError, IndexError, AttributeError, TypeError):
+        return None
+    return tree
+
+
+def _apply_repair(repaired: exp.Expression, gold_tree: exp.Expression, position: Position) -> exp.Expression:
     if position.name in COMPOUND_NAMES:
         return _repair_compound(repaired, gold_tree, position)
     owner, keys = _owner(repaired, position)
@@ -248,10 +421,22 @@ def _repair_compound(pred: exp.Expression, gold: exp.Expression, position: Posit
         return pred
     if p is not None:                         # gold has no such operator: keep its left side
         if p is pred:
-            return p.this
+            left = p.this
+            for key in _RESULT_ARGS:          # ORDER BY / LIMIT of the compound result stay the query's
+                if p.args.get(key) is not None:
+                    left.set(key, p.args[key])
+            return left
         p.replace(p.this)
         return pred
-    return type(g)(this=pred, expression=g.expression.copy(), distinct=g.args.get("distinct"))
+    if g is None:
+        raise KeyError(f"no {position.key} on either side")
+    moved = {key: pred.args.get(key) for key in _RESULT_ARGS if pred.args.get(key) is not None}
+    for key in moved:
+        pred.set(key, None)
+    return type(g)(this=pred, expression=g.expression.copy(), distinct=g.args.get("distinct"), **moved)
+
+
+_RESULT_ARGS = ("order", "limit", "offset")
 
 
 def _nth(operators: list[exp.SetOperation], position: Position) -> exp.SetOperation | None:
