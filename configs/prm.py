@@ -59,6 +59,9 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.annotate.sigma = 1.0
     c.annotate.margin_floor = 0.05
     c.annotate.within_trajectory = True       # also rank each negative's clauses against its root (docs/annotation.md)
+    # Also pair a right and a wrong prediction of one question at the wrong one's root clause (training
+    # split only; caper_jax.data.prm_pipeline.candidate_contrasts): what reranking asks of the PRM.
+    c.annotate.candidate_contrasts = False
     c.annotate.timeout_s = 2.0
 
     c.model = ConfigDict()

@@ -210,6 +210,9 @@ def run(config, workdir: str) -> dict:
     with multihost.main_process_first("prepare data"):
         world = prepare_world(config, workdir)
         train_path = annotate_split(world, config.data.train_split, settings, workdir / "tuples")
+        if config.annotate.get("candidate_contrasts"):  # right vs wrong sample of a question (prm_pipeline)
+            train_path = pipe_lib.with_candidate_contrasts(world.dir, world.database_dir, config.data.train_split,
+                                                           settings, train_path)
         eval_path = annotate_split(world, config.data.eval_split, settings, workdir / "tuples")
     tokenizer = world.tokenizer
 
