@@ -69,6 +69,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.site_balance = "clause"                    # edit sites tried round-robin over clauses (or: kind)
     c.max_attempts = 0                           # mutants executed per gold; 0: 8 * per_query
     c.semantics = "bird" if arg.bird else "spider"   # result equivalence (bird: set equality)
+    c.suspect_tuples = False                     # tuples from suspect failures (tie, type, literal_case)
     c.timeout_s = 30.0 if arg.bird else 2.0      # per query; BIRD's evaluator allows 30 s
     c.max_rows = 10_000
     c.seed = 0

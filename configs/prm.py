@@ -63,6 +63,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     # split only; caper_jax.data.prm_pipeline.candidate_contrasts): what reranking asks of the PRM.
     c.annotate.candidate_contrasts = False
     c.annotate.timeout_s = 2.0
+    c.annotate.suspect_tuples = False         # tuples from suspect failures (tie, type, literal_case)
 
     c.model = ConfigDict()
     c.model.preset = arg.model                # tiny | small | qwen35_9b

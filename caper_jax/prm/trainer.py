@@ -66,7 +66,8 @@ def annotation_settings(config) -> AnnotationSettings:
     return AnnotationSettings(alpha=a.alpha, sigma=a.sigma, margin_floor=a.margin_floor,
                               per_query=a.per_query, compound=a.compound, site_balance=a.site_balance,
                               timeout_s=a.timeout_s,
-                              within_trajectory=a.within_trajectory, seed=config.seed)
+                              within_trajectory=a.within_trajectory, seed=config.seed,
+                              suspect_tuples=a.get("suspect_tuples", False))
 
 
 def annotate_split(world: DataWorld, split: str, settings: AnnotationSettings, cache_dir: pathlib.Path

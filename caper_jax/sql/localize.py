@@ -41,7 +41,7 @@ from caper_jax.sql.canonical import (AnySchema, Canonical, ClauseSlot, LabelledN
 from caper_jax.sql.clauses import COMPOUND_NAMES, ClauseUnit, SqlParseError, compound_name, split_clauses
 from caper_jax.sql.edit_script import EditScript, edit_script
 from caper_jax.sql.execution import ExecResult, Executor, order_matters, results_equal
-from caper_jax.sql.suspects import suspect_reason, tie_equivalent
+from caper_jax.sql.suspects import suspect_reason, tie_equivalent, type_only
 
 
 class GoldError(ValueError):
@@ -232,23 +232,38 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
     """Rule 3 of the module docstring: keep each divergent clause whose hybrid gives gold's result."""
     kept: list[Position] = []
     verified: exp.Expression | None = None
-    for i, position in enumerate(divergent):
-        later = divergent[i + 1:]
-        if not later:       # keeping every divergent clause is the prediction itself, which fails
+    i = 0
+    while i < len(divergent):
+        position = divergent[i]
+        if i == len(divergent) - 1:     # keeping every divergent clause is the prediction itself
             return _Walk(position, tuple(kept), verified, "verified")
-        hybrid = _repair_all(pred.tree, gold.tree, later)
-        result = executor.execute(hybrid.sql(dialect=canon.DIALECT)) if hybrid is not None else None
-        if result is None or not result.ok:
-            # The prediction's clause does not fit gold's later clauses (a table it names is not
-            # there, a join rewritten as a subquery, ...): the canonical comparison decides.
-            why = "hybrid_unbuilt" if result is None else "hybrid_fails"
+        # The hybrid keeps divergent[i..j] and repairs the rest. A prediction's clause that does
+        # not fit gold's later clauses (it names a table gold's FROM lacks, ...) is tried together
+        # with the clauses after it, until a hybrid runs.
+        for j in range(i, len(divergent) - 1):
+            hybrid = _repair_all(pred.tree, gold.tree, divergent[j + 1:])
+            result = executor.execute(hybrid.sql(dialect=canon.DIALECT)) if hybrid is not None else None
+            if result is not None and result.ok:
+                break
+        else:
+            j = len(divergent) - 1
+            hybrid = result = None
+        if result is None:
+            # No hybrid that keeps this clause runs (a join rewritten as a subquery, scopes that
+            # do not line up): the canonical comparison decides among the clauses left.
             root = canonical_root(gold_slots, pred_slots, divergent[i:])
-            return _Walk(root, tuple(kept), verified, f"canonical_fallback:{why}")
+            return _Walk(root, tuple(kept), verified, "canonical_fallback:hybrid_fails")
         if _same_answer(gold.tree, gold_result, result, executor, semantics, ordered):
-            kept.append(position)
+            kept.extend(divergent[i:j + 1])
             verified = hybrid
+            i = j + 1
             continue
-        return _Walk(position, tuple(kept), verified, "verified")
+        if j == i:
+            return _Walk(position, tuple(kept), verified, "verified")
+        # Kept together the clauses change the answer, alone they do not run: which of them is
+        # to blame is the canonical comparison's call.
+        root = canonical_root(gold_slots, pred_slots, divergent[i:j + 1])
+        return _Walk(root, tuple(kept), verified, "canonical_fallback:hybrid_fails")
     raise AssertionError("unreachable: the last divergent clause is always the root")
 
 
@@ -278,11 +293,14 @@ def _corrected(walk: _Walk, gold: Canonical, pred: Canonical, pred_sql: str, rep
 
 def _same_answer(gold_tree: exp.Expression, gold_result: ExecResult, result: ExecResult, executor,
                  semantics: str, ordered: bool) -> bool:
-    """gold's result, or gold's result under another break of the ties of its ORDER BY: a
-    hybrid that only breaks a tie otherwise did not change what the query answers."""
+    """gold's result, up to the types of equal values (``1`` against ``'1'``) or another break of
+    the ties of its ORDER BY: a hybrid that differs from gold only so did not change what the
+    query answers (the hand-labelling rules count neither as an error)."""
     if not result.ok:
         return False
     if results_equal(gold_result, result, semantics=semantics, ordered=ordered):
+        return True
+    if type_only(gold_result, result, semantics=semantics, ordered=ordered):
         return True
     return ordered and tie_equivalent(gold_tree, gold_result, result, executor)
 

@@ -43,7 +43,7 @@ def suspect_reason(gold_sql: str, pred_sql: str, gold: ExecResult, pred: ExecRes
     if not (gold.ok and pred.ok):
         return None
     ordered = order_matters(gold_sql)
-    if _type_only(gold, pred, semantics, ordered):
+    if type_only(gold, pred, semantics=semantics, ordered=ordered):
         return "type"
     try:
         gold_tree = canon.canonicalize(gold_sql, schema, rules=()).tree
@@ -75,7 +75,8 @@ def _as_numbers(result: ExecResult) -> ExecResult:
     return ExecResult(rows=tuple(tuple(_number(v) for v in row) for row in result.rows), columns=result.columns)
 
 
-def _type_only(gold: ExecResult, pred: ExecResult, semantics: str, ordered: bool) -> bool:
+def type_only(gold: ExecResult, pred: ExecResult, *, semantics: str = "spider", ordered: bool) -> bool:
+    """Whether the two results are equal once every cell that spells a number is read as one."""
     return results_equal(_as_numbers(gold), _as_numbers(pred), semantics=semantics, ordered=ordered)
 
 
@@ -210,4 +211,4 @@ def _literal_case(gold_tree: exp.Expression, pred_sql: str, gold: ExecResult, ex
     return result.ok and results_equal(gold, result, semantics=semantics, ordered=ordered)
 
 
-__all__ = ["REASONS", "suspect_reason", "tie_equivalent"]
+__all__ = ["REASONS", "suspect_reason", "tie_equivalent", "type_only"]

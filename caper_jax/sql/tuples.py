@@ -28,7 +28,9 @@ Sources:
   the SQL with sqlglot, the gold is rendered the same way, so that both sides share their prefix
   character for character.
 * **counterfactual** (the repaired prediction is positive, the prediction negative; provenance
-  ``counterfactual``), from ``localize.localize``.
+  ``counterfactual``), from ``localize.localize``. A *suspect* failure (``Localization.suspect``:
+  a tie under ORDER BY ... LIMIT, a type-only difference, a literal's case) gives no tuples unless
+  ``AnnotationSettings.suspect_tuples``; the build summary counts it as kind ``suspect:<reason>``.
 
 Within-trajectory tuples (our extension beyond the paper, ``AnnotationSettings.within_trajectory``).
 Aligned tuples teach what a wrong clause is worth against an alternative clause at the same place;
@@ -66,8 +68,9 @@ from caper_jax.sql.schema import Schema
 
 
 # Bumped whenever the same settings would write different tuples (caches key on it). 2: the last
-# clause's state ends with END_OF_SQL, and a clause missing at the end is blamed on it.
-TUPLE_FORMAT = 2
+# clause's state ends with END_OF_SQL, and a clause missing at the end is blamed on it. 3: roots
+# verified by execution, equivalence rules in canonicalisation, suspect failures left out.
+TUPLE_FORMAT = 3
 
 
 @dataclasses.dataclass
@@ -267,6 +270,7 @@ class AnnotationSettings:
     site_balance: str = "clause"
     max_attempts: int | None = None
     semantics: str = "spider"
+    suspect_tuples: bool = False
     timeout_s: float = 2.0
     max_rows: int = 10_000
     seed: int = 0
@@ -381,10 +385,15 @@ class Annotator:
             return Annotation([], "error", error="gold_fails")
         if loc.correct:
             return self._mutations(context, schema) if self.mutate_correct else Annotation([], "correct")
+        # A suspect failure (a tie, a type-only difference, a literal's case) may answer the
+        # question: by default it gives no tuples, and the summary counts it by reason.
+        kind = f"suspect:{loc.suspect}" if loc.suspect else "counterfactual"
+        if loc.suspect and not s.suspect_tuples:
+            return Annotation([], "counterfactual", negatives_by_kind={kind: 1})
         tuples = counterfactual_tuples(context, pred, loc, margin_floor=s.margin_floor,
                                        within_trajectory=s.within_trajectory)
-        return Annotation(tuples, "counterfactual", negatives_by_kind={"counterfactual": 1},
-                          tuples_by_kind={"counterfactual": len(tuples)} if tuples else {})
+        return Annotation(tuples, "counterfactual", negatives_by_kind={kind: 1},
+                          tuples_by_kind={kind: len(tuples)} if tuples else {})
 
     def _mutations(self, context: Context, schema: Schema) -> Annotation:
         s = self.settings
