@@ -118,8 +118,8 @@ def _tie(gold_tree: exp.Expression, gold: ExecResult, pred: ExecResult, executor
         if rows[n][1] != cut:
             return False            # no tie at the cut: gold's rows are the only right ones
         above = collections.Counter(v for v, k in rows[:n] if k != cut)   # sorted: strictly above the tie
-        allowed = {v for v, k in rows[:n]} | {v for v, k in rows if k == cut}
-        return any(_fits_cut(p, above, allowed) for p in _permutations(pred.rows, width))
+        tied = collections.Counter(v for v, k in rows if k == cut)
+        return any(_fits_cut(p, n, above, tied) for p in _permutations(pred.rows, width))
     if len(pred.rows) != len(rows):
         return False
     keys: dict[tuple, set] = {}
@@ -142,11 +142,14 @@ def _permutations(rows: tuple[tuple, ...], width: int):
         yield [tuple(row[j] for j in perm) for row in rows]
 
 
-def _fits_cut(pred_rows: list[tuple], above: collections.Counter, allowed: set) -> bool:
-    if not set(pred_rows) <= allowed:
-        return False
+def _fits_cut(pred_rows: list[tuple], n: int, above: collections.Counter, tied: collections.Counter) -> bool:
+    """``n`` rows of another tie-break (every row above the tie, the rest from the tied group),
+    or every row through the tied group (``= (SELECT max(...))`` against ``LIMIT n``)."""
     bag = collections.Counter(pred_rows)
-    return all(bag[v] >= c for v, c in above.items())
+    if bag == above + tied:
+        return True
+    rest = bag - above
+    return len(pred_rows) == n and not (above - bag) and not (rest - tied)
 
 
 def _sort_value(value):

@@ -139,3 +139,100 @@ def test_counterfactual_tuples_share_the_prefix(db):
                                    margin_floor=0.05)
     assert [(t.clause, t.prefix_chosen, t.chosen, t.prefix_rejected, t.rejected, t.margin) for t in tuples] == [
         ("WHERE", "SELECT name FROM singer ", "WHERE age > 30" + END, "SELECT name ", "FROM singer" + END, 1.0)]
+
+
+# --------------------------------------------------------------------------------------------
+# Execution-verified walk: an earlier difference that does not change the answer is passed over.
+
+@pytest.mark.parametrize("gold,pred,root,harmless", [
+    # an extra self-join on the key drops and duplicates no rows: WHERE is the decisive error
+    ("SELECT name FROM singer WHERE age > 30",
+     "SELECT T1.name FROM singer AS T1 JOIN singer AS T2 ON T1.singer_id = T2.singer_id WHERE T1.age > 40",
+     "WHERE", ["FROM"]),
+    # a DISTINCT no rule can prove redundant, that removes nothing on this data
+    ("SELECT name FROM singer WHERE age > 30", "SELECT DISTINCT name FROM singer WHERE age > 40", "WHERE", ["SELECT"]),
+    # LIKE without wildcards selects the same rows as =; the ORDER BY direction is the error
+    ("SELECT name FROM singer WHERE country = 'France' ORDER BY age DESC",
+     "SELECT name FROM singer WHERE country LIKE 'France' ORDER BY age ASC", "ORDER BY", ["WHERE"]),
+    # a real earlier error stays the root, whatever follows
+    ("SELECT name FROM singer WHERE age > 30", "SELECT country FROM singer WHERE age > 40", "SELECT", []),
+])
+def test_harmless_differences_are_kept_and_the_decisive_one_is_root(db, gold, pred, root, harmless):
+    executor, _ = db
+    result = run(db, gold, pred)
+    assert (result.root_clause, list(result.harmless), result.reason) == (root, harmless, "verified"), result
+    assert result.corrected_verified and result.executions >= 1
+    assert results_equal(executor.execute(gold), executor.execute(result.corrected_sql),
+                         ordered=order_matters(gold)), result.corrected_sql
+    # the canonical comparison alone blames the first difference
+    canonical = run(db, gold, pred, verify=False)
+    assert canonical.root_clause == (harmless[0] if harmless else root)
+    assert canonical.reason == "canonical_fallback:no_executor"
+
+
+def test_corrected_query_keeps_the_harmless_prefix_and_repairs_every_later_difference(db):
+    gold = "SELECT name FROM singer WHERE age > 30 ORDER BY age DESC"
+    pred = "SELECT DISTINCT name FROM singer WHERE age > 40 ORDER BY age"
+    result = run(db, gold, pred)
+    assert result.root_clause == "WHERE" and result.harmless == ("SELECT",)
+    assert result.corrected_sql == "SELECT DISTINCT name FROM singer WHERE age > 30 ORDER BY age DESC"
+    assert result.corrected_verified
+
+
+def test_join_rewritten_as_subquery_falls_back_to_the_canonical_comparison(db):
+    gold = ("SELECT T2.name FROM concert AS T1 JOIN stadium AS T2 ON T1.stadium_id = T2.stadium_id "
+            "WHERE T1.year = 2014")
+    pred = "SELECT name FROM stadium WHERE stadium_id IN (SELECT stadium_id FROM concert WHERE year = 2015)"
+    result = run(db, gold, pred)
+    # keeping the prediction's FROM (stadium alone) with gold's WHERE (concert.year) cannot run
+    assert result.reason == "canonical_fallback:hybrid_fails" and result.root_clause == "FROM"
+
+
+def test_equivalence_rules_can_be_switched_off(db):
+    gold = "SELECT T1.name FROM singer AS T1 JOIN singer_in_concert AS T2 ON T1.singer_id = T2.singer_id WHERE T1.age > 30"
+    pred = "SELECT T1.name FROM singer AS T1, singer_in_concert AS T2 WHERE T1.singer_id = T2.singer_id AND T1.age > 40"
+    assert run(db, gold, pred).root_clause == "WHERE"
+    plain = run(db, gold, pred, rules=(), verify=False)
+    assert plain.root_clause == "FROM"      # the comma join differs from JOIN ... ON without the rule
+
+
+# --------------------------------------------------------------------------------------------
+# Suspect failures.
+
+@pytest.mark.parametrize("gold,pred,suspect", [
+    # 2014 holds three concerts: LIMIT 1 cuts inside the tie
+    ("SELECT concert_id FROM concert ORDER BY year LIMIT 1",
+     "SELECT concert_id FROM concert WHERE year = 2014 ORDER BY concert_id DESC LIMIT 1", "tie"),
+    ("SELECT concert_id FROM concert ORDER BY year LIMIT 1",
+     "SELECT concert_id FROM concert WHERE year = (SELECT min(year) FROM concert)", "tie"),
+    ("SELECT name, age FROM singer ORDER BY age", "SELECT name, CAST(age AS TEXT) FROM singer ORDER BY age", "type"),
+    ("SELECT name FROM singer WHERE country = 'France'", "SELECT name FROM singer WHERE country = 'france'",
+     "literal_case"),
+    ("SELECT name FROM singer WHERE country = 'france'", "SELECT name FROM singer WHERE country = 'France'",
+     "literal_case"),
+    # real errors
+    ("SELECT concert_id FROM concert ORDER BY year LIMIT 1",
+     "SELECT concert_id FROM concert ORDER BY year DESC LIMIT 1", None),
+    ("SELECT concert_id FROM concert ORDER BY year LIMIT 1",
+     "SELECT concert_id FROM concert WHERE year = 2014 ORDER BY concert_id DESC LIMIT 2", None),
+    ("SELECT name, age FROM singer ORDER BY age DESC", "SELECT name, age FROM singer ORDER BY age", None),
+    ("SELECT name FROM singer WHERE country = 'France'", "SELECT name FROM singer WHERE country = 'Netherlands'", None),
+    ("SELECT name FROM singer WHERE age > 30", "SELECT name FROM singer WHERE age > 40", None),
+])
+def test_suspect_failures(db, gold, pred, suspect):
+    result = run(db, gold, pred)
+    assert not result.correct and result.suspect == suspect, result
+    assert result.as_dict()["suspect"] == suspect
+
+
+def test_suspect_failures_give_no_tuples_by_default(spider, tmp_path):
+    from caper_jax.sql.tuples import AnnotationSettings, Annotator
+    record = {"db_id": "concert_singer", "question": "q",
+              "gold": "SELECT name FROM singer WHERE country = 'France'",
+              "pred": "SELECT name FROM singer WHERE country = 'france'"}
+    default = Annotator(spider / "database")(record)
+    assert default.tuples == [] and default.negatives_by_kind == {"suspect:literal_case": 1}
+    kept = Annotator(spider / "database", AnnotationSettings(suspect_tuples=True))(record)
+    assert kept.tuples and kept.tuples_by_kind == {"suspect:literal_case": len(kept.tuples)}
+    wrong = Annotator(spider / "database")({**record, "pred": "SELECT name FROM singer WHERE country = 'Netherlands'"})
+    assert wrong.tuples and wrong.negatives_by_kind == {"counterfactual": 1}
