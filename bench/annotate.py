@@ -1,7 +1,9 @@
-"""Annotation throughput: verified fault-injection tuples per second on Spider dev.
+"""Annotation throughput: verified fault-injection tuples per second on Spider dev, and
+localisation of the real failures of six published systems.
 
     python bench/annotate.py [--data ../shared/data/spider] [--per_query 4] [--workers 1 2]
-                             [--repeats 3]
+                             [--repeats 3] [--predictions ../shared/data/spider_predictions]
+                             [--no-real]
 
 Workload: every dev gold query whose database is present gets ``inject_faults(per_query=4)``; each
 negative is verified by execution (parses, runs, result differs from gold under Spider rules).
@@ -15,6 +17,15 @@ Columns: tuples/s = tuples / wall time of the slowest worker; e2e/s also counts 
 and schema loading; per CPU-s = tuples per second of CPU summed over workers (what neighbours on a
 shared machine disturb least); x floor = CPU per gold query (or per tuple) over the floor's CPU per
 gold query; sqlite = share of worker wall time spent inside SQLite. Best of ``--repeats`` runs.
+
+Real failures (``caper_jax.data.published_predictions.failures``: every Spider-dev example with a
+database where one of the six systems' predictions does not execute to gold's result, about 1,100):
+``localize`` on each, workers as above (processes, cold executors, failures split round-robin).
+failures/s = failures / wall time of the slowest worker; extra exec/failure = queries executed
+beyond gold and prediction (hybrids, the corrected query, suspect checks: ``Localization.executions``),
+with the same figure for the canonical comparison alone (``verify=False``) next to it. Also the
+reasons (verified / canonical fallback) and suspects found. The load average is printed at start
+and end: on a shared machine every figure depends on it.
 """
 from __future__ import annotations
 
@@ -32,6 +43,7 @@ sys.path.insert(0, str(REPO))
 
 import sqlglot  # noqa: E402
 
+from caper_jax.data.published_predictions import failures as real_failures  # noqa: E402
 from caper_jax.sql.clauses import parse_sql  # noqa: E402
 from caper_jax.sql.execution import Executors  # noqa: E402
 from caper_jax.sql.mutations import inject_faults  # noqa: E402
@@ -144,6 +156,51 @@ def annotate(data: pathlib.Path, work, workers: int, per_query: int, seed: int) 
             "sqlite_share": sum(p["sqlite_s"] for p in parts) / sum(p["wall_s"] for p in parts)}
 
 
+def localize_shard(args) -> dict:
+    import collections
+
+    from caper_jax.sql.localize import localize
+    data, shard, verify = args
+    executors = Executors(data / "database")
+    schemas = {}
+    for record in shard:
+        if record["db_id"] not in schemas:
+            schemas[record["db_id"]] = Schema.from_sqlite(executors.db_path(record["db_id"]))
+            executors[record["db_id"]]
+    reasons, suspects = collections.Counter(), collections.Counter()
+    executions = 0
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for record in shard:
+        found = localize(record["gold"], record["pred"], executors[record["db_id"]], schemas[record["db_id"]],
+                         verify=verify, suspects=verify)
+        executions += found.executions
+        reasons[found.reason.split(":")[0]] += 1
+        suspects[found.suspect] += 1
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    executors.close()
+    return {"failures": len(shard), "wall_s": wall, "cpu_s": cpu, "executions": executions,
+            "reasons": dict(reasons), "suspects": {str(k): v for k, v in suspects.items()}}
+
+
+def localize_run(data: pathlib.Path, records: list[dict], workers: int, verify: bool) -> dict:
+    shards = [(data, records[w::workers], verify) for w in range(workers)]
+    if workers == 1:
+        parts = [localize_shard(shards[0])]
+    else:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            parts = pool.map(localize_shard, shards)
+    busy = max(p["wall_s"] for p in parts)
+    n = sum(p["failures"] for p in parts)
+    merged: dict[str, dict] = {"reasons": {}, "suspects": {}}
+    for p in parts:
+        for key in merged:
+            for k, v in p[key].items():
+                merged[key][k] = merged[key].get(k, 0) + v
+    return {"workers": workers, "verify": verify, "failures": n, "busy_s": busy, "failures_per_s": n / busy,
+            "cpu_ms_per_failure": 1e3 * sum(p["cpu_s"] for p in parts) / n,
+            "extra_executions_per_failure": sum(p["executions"] for p in parts) / n, **merged}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -153,6 +210,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--phases", action="store_true", help="also print CPU per step (1 process)")
+    parser.add_argument("--predictions", type=pathlib.Path,
+                        default=REPO.parent / "shared" / "data" / "spider_predictions")
+    parser.add_argument("--no-real", dest="real", action="store_false",
+                        help="skip localisation of the published systems' real failures")
     args = parser.parse_args()
 
     work = load_work(args.data)
@@ -187,8 +248,25 @@ def main() -> None:
         print("\nCPU ms per gold query by step (1 process):")
         for label, ms in phases(args.data, work, args.per_query, args.seed).items():
             print(f"  {label:<40} {ms:8.3f}")
+    real = {}
+    if args.real and args.predictions.is_dir():
+        records = real_failures(args.data, args.predictions)
+        print(f"\nreal failures of {len(set(r['system'] for r in records))} published systems: {len(records)} "
+              f"(load average {os.getloadavg()[0]:.2f})")
+        print(f"{'workers':>7} {'mode':>10} {'failures/s':>11} {'CPU ms/failure':>15} {'extra exec/failure':>19}")
+        for verify in (True, False):
+            for w in args.workers:
+                r = min((localize_run(args.data, records, w, verify) for _ in range(args.repeats)),
+                        key=lambda r: r["busy_s"])
+                real[f"{'verified' if verify else 'canonical'}_{w}"] = r
+                print(f"{w:>7} {'verified' if verify else 'canonical':>10} {r['failures_per_s']:>11.1f} "
+                      f"{r['cpu_ms_per_failure']:>15.2f} {r['extra_executions_per_failure']:>19.2f}")
+        verified = real.get(f"verified_{args.workers[0]}")
+        if verified:
+            print(f"reasons {verified['reasons']}; suspects {verified['suspects']}")
     print(f"load average at end={os.getloadavg()[0]:.2f}")
-    print(json.dumps({"floor": best_floor, "runs": runs, "compiled": compiled, "repeats": args.repeats}))
+    print(json.dumps({"floor": best_floor, "runs": runs, "real": real, "compiled": compiled,
+                      "repeats": args.repeats}))
 
 
 if __name__ == "__main__":

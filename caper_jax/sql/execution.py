@@ -221,16 +221,42 @@ class _NotUtf8(Exception):
     pass
 
 
-class Executors:
-    """One Executor per database of a Spider/BIRD layout: ``<database_dir>/<db_id>/<db_id>.sqlite``."""
+def database_dirs_of(database_dir) -> tuple[pathlib.Path, ...]:
+    """One database folder (str / PathLike) or several (a sequence of them) as a tuple of Paths."""
+    if isinstance(database_dir, (str, os.PathLike)):
+        return (pathlib.Path(database_dir),)
+    dirs = tuple(pathlib.Path(d) for d in database_dir)
+    if not dirs:
+        raise ValueError("no database folder given")
+    return dirs
 
-    def __init__(self, database_dir: str | os.PathLike, **executor_kwargs):
-        self.database_dir = pathlib.Path(database_dir)
+
+def find_database(database_dirs, db_id: str) -> pathlib.Path:
+    """``<dir>/<db_id>/<db_id>.sqlite`` in the first of ``database_dirs`` that has it, else under the first
+    (where a missing database is then reported). BIRD keeps dev and train databases in two folders."""
+    dirs = database_dirs_of(database_dirs)
+    for directory in dirs:
+        path = directory / db_id / f"{db_id}.sqlite"
+        if path.is_file():
+            return path
+    return dirs[0] / db_id / f"{db_id}.sqlite"
+
+
+class Executors:
+    """One Executor per database of a Spider/BIRD layout: ``<database_dir>/<db_id>/<db_id>.sqlite``.
+
+    ``database_dir`` may be several folders (BIRD's ``dev_databases/`` and ``train_databases/``, as
+    ``caper_jax.data.spider.database_dirs`` lists them), searched in order.
+    """
+
+    def __init__(self, database_dir: str | os.PathLike | tuple, **executor_kwargs):
+        self.database_dirs = database_dirs_of(database_dir)
+        self.database_dir = self.database_dirs[0]
         self.executor_kwargs = executor_kwargs
         self._executors: dict[str, Executor] = {}
 
     def db_path(self, db_id: str) -> pathlib.Path:
-        return self.database_dir / db_id / f"{db_id}.sqlite"
+        return find_database(self.database_dirs, db_id)
 
     def __getitem__(self, db_id: str) -> Executor:
         executor = self._executors.get(db_id)
@@ -327,5 +353,5 @@ def results_equal(gold: ExecResult, pred: ExecResult, *, semantics: Semantics = 
     return False
 
 
-__all__ = ["ErrorKind", "ExecResult", "Executor", "Executors", "normalize_sql", "open_readonly",
-           "order_matters", "results_equal"]
+__all__ = ["ErrorKind", "ExecResult", "Executor", "Executors", "database_dirs_of", "find_database", "normalize_sql",
+           "open_readonly", "order_matters", "results_equal"]

@@ -61,7 +61,7 @@ from caper_jax.sql import canonical as canon
 from caper_jax.sql import propagation
 from caper_jax.sql.canonical import AnySchema, Position, align, position_rank
 from caper_jax.sql.clauses import ClauseUnit, SqlParseError
-from caper_jax.sql.execution import Executor
+from caper_jax.sql.execution import Executor, database_dirs_of, find_database
 from caper_jax.sql.localize import GoldError, Localization, clause_units, localize
 from caper_jax.sql.mutations import SITE_BALANCES, Negative, inject_faults
 from caper_jax.sql.schema import Schema
@@ -309,16 +309,17 @@ class Annotator:
     sources also hold the question record of the same gold, which is mutated already;
     ``mutate_correct=True`` mutates its gold instead (for a stream of predictions alone).
 
-    Databases live in Spider layout (``<database_dir>/<db_id>/<db_id>.sqlite``); executors and
+    Databases live in Spider layout (``<database_dir>/<db_id>/<db_id>.sqlite``; ``database_dir`` may be
+    several folders, searched in order, as BIRD keeps dev and train databases apart); executors and
     schemas are opened once per database and dropped when pickled (Grain worker processes reopen
     them). The random stream of a trajectory is seeded by (seed, db_id, gold), so a record
     annotates the same way in any process or order -- which is what lets a Grain iterator resume
     mid-dataset.
     """
 
-    def __init__(self, database_dir: str | os.PathLike, settings: AnnotationSettings = AnnotationSettings(),
+    def __init__(self, database_dir: str | os.PathLike | tuple, settings: AnnotationSettings = AnnotationSettings(),
                  tables: Mapping[str, dict] | None = None, *, mutate_correct: bool = False):
-        self.database_dir = pathlib.Path(database_dir)
+        self.database_dir = database_dirs_of(database_dir)
         self.settings = settings
         self.tables = dict(tables or {})     # db_id -> tables.json record, for the schema text
         self.mutate_correct = mutate_correct
@@ -335,7 +336,7 @@ class Annotator:
                       mutate_correct=state["mutate_correct"])
 
     def db_path(self, db_id: str) -> pathlib.Path:
-        return self.database_dir / db_id / f"{db_id}.sqlite"
+        return find_database(self.database_dir, db_id)
 
     def executor(self, db_id: str) -> Executor:
         if db_id not in self._executors:
