@@ -10,7 +10,8 @@ The built-in demo world (no downloads; built into ``data.manual_dir`` first when
 
     python -m caper_jax.annotate build --config=configs/annotate.py:demo --config.data_dir=/tmp/caper_tfds
 
-BIRD layout (dev.json, dev_tables.json, dev_databases/<db>/<db>.sqlite; set semantics, 30 s timeout):
+BIRD layout (dev.json or dev/dev.json, train/train.json, dev_tables.json, dev_databases/<db>/<db>.sqlite,
+train_databases/; the :bird variant sets BIRD's semantics and its 30 s timeout):
 
     python -m caper_jax.annotate build --config=configs/annotate.py:bird \
         --config.data.manual_dir=/data/bird/dev --config.data_dir=/tmp/caper_tfds
@@ -57,7 +58,9 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.data.limit = arg.limit                     # trajectories per split (0 = all)
     c.data.predictions = True                    # also read predictions_<split>.jsonl if present
     c.data.demo_seed = 0
-    c.data.database_dir = "{split}_databases" if arg.bird else "database"   # under manual_dir
+    # "" = the layout's database folders (caper_jax/data/spider.py: database/, <split>_databases/,
+    # <split>/<split>_databases/); else a folder under manual_dir, "{split}" replaced.
+    c.data.database_dir = ""
 
     c.alpha = 1.0
     c.sigma = 1.0

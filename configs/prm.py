@@ -64,6 +64,9 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.annotate.candidate_contrasts = False
     c.annotate.timeout_s = 2.0
     c.annotate.suspect_tuples = False         # tuples from suspect failures (tie, type, literal_case)
+    # Result equivalence when annotating: spider (bags, ordered iff ORDER BY) | bird (set equality, as
+    # BIRD's evaluator; set it with BIRD data, as configs/annotate.py:bird does).
+    c.annotate.semantics = "spider"
 
     c.model = ConfigDict()
     c.model.preset = arg.model                # tiny | small | qwen35_9b

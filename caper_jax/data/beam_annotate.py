@@ -28,14 +28,14 @@ beam = tfds.core.lazy_imports.apache_beam
 class _AnnotateFn(beam.DoFn):
     """(index, trajectory) -> (key, tuple dict) for each preference tuple; counts on a side output."""
 
-    def __init__(self, database_dir: str, settings: AnnotationSettings, tables: dict[str, dict]):
-        self.database_dir, self.settings, self.tables = database_dir, settings, tables
+    def __init__(self, database_dir: list[str], settings: AnnotationSettings, tables: dict[str, dict]):
+        self.database_dir, self.settings, self.tables = database_dir, settings, tables   # folders, in search order
         self.annotator = None
 
     def setup(self) -> None:
         from caper_jax.sql.tuples import Annotator
 
-        self.annotator = Annotator(pathlib.Path(self.database_dir), self.settings, self.tables)
+        self.annotator = Annotator(tuple(pathlib.Path(d) for d in self.database_dir), self.settings, self.tables)
 
     def process(self, element: tuple[int, dict]) -> Iterator[Any]:
         from caper_jax.data.tfds_caper import _Summary
@@ -88,7 +88,7 @@ def _write_summary(summary: dict, path: str) -> None:
 
 
 @beam.ptransform_fn
-def annotate_trajectories(pipeline, trajectories: list[dict], database_dir: str, settings: AnnotationSettings,
+def annotate_trajectories(pipeline, trajectories: list[dict], database_dir: list[str], settings: AnnotationSettings,
                           tables: dict[str, dict], summary_path: str):
     """PTransform (pipeline root -> (key, tuple dict)) for ``GeneratorBasedBuilder._generate_examples``.
 

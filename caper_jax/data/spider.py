@@ -1,29 +1,44 @@
-"""Readers for text-to-SQL data in the Spider and BIRD layouts (the demo world uses Spider's).
+"""The one reader of text-to-SQL data in the Spider and BIRD layouts (the demo world uses Spider's).
 
-    Spider:  dev.json, train_spider.json (+ train_others.json), tables.json, database/<db>/<db>.sqlite
-    BIRD:    dev.json / train.json with "SQL" and "evidence", dev_tables.json / train_tables.json,
-             dev_databases/<db>/<db>.sqlite, train_databases/<db>/<db>.sqlite
-    demo:    train.json, dev.json, tables.json, database/<db>/<db>.sqlite
+Every part of caper_jax that reads questions, schemas or databases goes through this module: the
+trainers (``caper_jax.data.world``), SFT/GRPO examples (``caper_jax.sft.data``), annotation
+(``caper_jax.data.tfds_caper``, PRM training), ``evaluate ex``, ``verify`` and policy evaluation.
 
-Examples come back as ``Example`` records with the gold SQL under ``query`` whatever the source
-called it. A database that is missing on disk is not an error at load time — Spider's public dev
-copy, for one, lacks wta_1 — but it is reported (a logged warning, ``missing_databases``) and can
-be dropped with ``drop_missing=True``; ``db_path`` raises ``MissingDatabaseError`` for it.
+    split      Spider                                   BIRD (either arrangement)
+    dev        dev.json                                 dev.json | dev/dev.json
+    train      train_spider.json + train_others.json    train.json | train/train.json
+    <name>     <name>.json (or any .json path under the root)
+    schemas    tables.json                              dev_tables.json, train_tables.json
+                                                        (or dev/dev_tables.json, train/train_tables.json)
+    databases  database/<db>/<db>.sqlite                dev_databases/<db>/<db>.sqlite,
+                                                        train_databases/<db>/<db>.sqlite
+                                                        (or dev/dev_databases, train/train_databases)
+
+Question records carry ``db_id``, ``question`` and the gold SQL as ``query`` (Spider) or ``SQL``
+(BIRD), plus BIRD's ``evidence``; they come back as ``Example`` records with the gold under
+``query`` whatever the source called it. Spider's official training set is train_spider.json and
+train_others.json together (its README), so ``train`` reads both. Schemas and databases are looked
+up for a split in that split's own files first (``<split>_tables.json``, ``<split>_databases/``), then
+in the layout's others, so one root holding BIRD's dev and train folders serves both splits;
+``database_dirs(root)`` lists every database folder for the executors.
+
+A database that is missing on disk is not an error at load time (Spider's public dev copy, for
+one, lacks wta_1), but it is reported (a logged warning, ``missing_databases``) and can be dropped
+with ``drop_missing=True``; ``db_path`` raises ``MissingDatabaseError`` for it.
 """
 from __future__ import annotations
 
 import collections
+import csv
 import dataclasses
 import json
 import logging
+import os
 import pathlib
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
-_DATABASE_DIRS = ("database", "dev_databases", "train_databases", "train/train_databases", "dev/dev_databases")
-_TABLE_FILES = ("tables.json", "dev_tables.json", "train_tables.json", "train/train_tables.json",
-                "dev/dev_tables.json")
 _SPLIT_FILES = {
     "dev": (("dev.json",), ("dev/dev.json",)),
     # Official Spider training data = train_spider.json + train_others.json.
@@ -58,7 +73,12 @@ def _read_json(path: pathlib.Path) -> Any:
         raise DataError(f"{path} is not valid JSON: {error}") from error
 
 
-def split_files(data_dir: str | pathlib.Path, split: str) -> list[pathlib.Path]:
+def split_name(split: str) -> str:
+    """``dev`` for ``dev`` and for ``dev/dev.json``: the name a split's schema and database folders carry."""
+    return pathlib.PurePath(split).stem if split.endswith(".json") else split
+
+
+def split_files(data_dir: str | os.PathLike, split: str) -> list[pathlib.Path]:
     """The JSON file(s) holding a split. ``split`` may also be a path relative to ``data_dir``."""
     root = pathlib.Path(data_dir)
     if split.endswith(".json"):
@@ -66,7 +86,7 @@ def split_files(data_dir: str | pathlib.Path, split: str) -> list[pathlib.Path]:
         if not path.is_file():
             raise DataError(f"no split file {path}")
         return [path]
-    options = _SPLIT_FILES.get(split, ((f"{split}.json",),))
+    options = _SPLIT_FILES.get(split, ((f"{split}.json",), (f"{split}/{split}.json",)))
     for names in options:
         if (root / names[0]).is_file():
             return [root / n for n in names if (root / n).is_file()]
@@ -74,7 +94,7 @@ def split_files(data_dir: str | pathlib.Path, split: str) -> list[pathlib.Path]:
     raise DataError(f"no {split!r} split under {root} (looked for {tried})")
 
 
-def load_split(data_dir: str | pathlib.Path, split: str, *, drop_missing: bool = False) -> list[Example]:
+def load_split(data_dir: str | os.PathLike, split: str, *, drop_missing: bool = False) -> list[Example]:
     """Examples of a split (``"dev"``, ``"train"``, any ``<name>`` with ``<name>.json``, or a .json path)."""
     records = []
     for path in split_files(data_dir, split):
@@ -83,7 +103,7 @@ def load_split(data_dir: str | pathlib.Path, split: str, *, drop_missing: bool =
             raise DataError(f"{path} must hold a JSON list of examples")
         records.extend((path, r) for r in loaded)
     examples = [_example(path, i, record) for i, (path, record) in enumerate(records)]
-    missing = missing_databases(data_dir, examples)
+    missing = missing_databases(data_dir, examples, split)
     if missing:
         listed = ", ".join(f"{db} ({n} examples)" for db, n in sorted(missing.items()))
         action = "dropped" if drop_missing else "kept"
@@ -106,12 +126,32 @@ def _example(path: pathlib.Path, index: int, record: Any) -> Example:
     return Example(record["db_id"], record["question"], query, str(record.get("evidence") or ""), index, meta)
 
 
-def load_schemas(data_dir: str | pathlib.Path) -> dict[str, dict]:
-    """db_id -> tables.json entry, merged over every schema file of the layout."""
+def _ordered(own: Iterable[pathlib.Path], others: Iterable[pathlib.Path]) -> list[pathlib.Path]:
+    seen, out = set(), []
+    for path in [*own, *others]:
+        if path not in seen:
+            seen.add(path)
+            out.append(path)
+    return out
+
+
+def schema_files(data_dir: str | os.PathLike, split: str | None = None) -> list[pathlib.Path]:
+    """The schema files of the layout that exist: ``split``'s own first, then the others."""
     root = pathlib.Path(data_dir)
-    files = [root / name for name in _TABLE_FILES if (root / name).is_file()]
+    every = [root / "tables.json", *sorted(root.glob("*_tables.json")), *sorted(root.glob("*/*_tables.json"))]
+    own = []
+    if split is not None:
+        name = split_name(split)
+        own = [root / f"{name}_tables.json", root / name / f"{name}_tables.json", root / "tables.json"]
+    return [p for p in _ordered(own, every) if p.is_file()]
+
+
+def load_schemas(data_dir: str | os.PathLike, split: str | None = None) -> dict[str, dict]:
+    """db_id -> tables.json entry, merged over every schema file of the layout (``split``'s own win)."""
+    files = schema_files(data_dir, split)
     if not files:
-        raise DataError(f"no schema file under {root} (looked for {', '.join(_TABLE_FILES)})")
+        raise DataError(f"no schema file under {data_dir} (looked for tables.json, <split>_tables.json, "
+                        f"<split>/<split>_tables.json)")
     schemas: dict[str, dict] = {}
     for path in files:
         entries = _read_json(path)
@@ -122,23 +162,75 @@ def load_schemas(data_dir: str | pathlib.Path) -> dict[str, dict]:
     return schemas
 
 
-def db_path(data_dir: str | pathlib.Path, db_id: str) -> pathlib.Path:
-    """Path of ``<db_id>.sqlite``; raises MissingDatabaseError naming every place it looked."""
+def database_dirs(data_dir: str | os.PathLike, split: str | None = None) -> tuple[pathlib.Path, ...]:
+    """The folders holding ``<db_id>/<db_id>.sqlite`` that exist: ``split``'s own first (``database/``,
+    ``<split>_databases/``, ``<split>/<split>_databases/``), then the layout's others. Empty if none."""
     root = pathlib.Path(data_dir)
-    candidates = [root / d / db_id / f"{db_id}.sqlite" for d in _DATABASE_DIRS]
+    every = [root / "database", *sorted(root.glob("*_databases")), *sorted(root.glob("*/*_databases"))]
+    own = []
+    if split is not None:
+        name = split_name(split)
+        own = [root / "database", root / f"{name}_databases", root / name / f"{name}_databases"]
+    return tuple(p for p in _ordered(own, every) if p.is_dir())
+
+
+def db_path(data_dir: str | os.PathLike, db_id: str, split: str | None = None) -> pathlib.Path:
+    """Path of ``<db_id>.sqlite``; raises MissingDatabaseError naming every place it looked."""
+    dirs = database_dirs(data_dir, split)
+    candidates = [d / db_id / f"{db_id}.sqlite" for d in dirs]
     for path in candidates:
         if path.is_file():
             return path
-    raise MissingDatabaseError(f"database {db_id!r} not found; looked in " + ", ".join(map(str, candidates)))
+    looked = ", ".join(map(str, candidates)) if candidates else (
+        f"{data_dir} has no database folder (database/, <split>_databases/, <split>/<split>_databases/)")
+    raise MissingDatabaseError(f"database {db_id!r} not found; looked in {looked}")
 
 
-def missing_databases(data_dir: str | pathlib.Path, examples: Iterable[Example]) -> dict[str, int]:
+SQL_PREDICTION_SUFFIXES = (".sql", ".txt", ".csv")
+_CSV_SQL_COLUMNS = ("PREDICTED SQL", "pred", "prediction", "sql")
+
+
+def read_sql_predictions(path: str | os.PathLike, examples: Sequence[Example] | None = None) -> list[str]:
+    """One predicted SQL per example, in split order, from a published system's prediction file.
+
+    ``.csv`` (DIN-SQL's release): the column ``PREDICTED SQL`` (or ``pred`` / ``prediction`` /
+    ``sql``), one row per example. Anything else is the official evaluator's format: line ``i`` is the
+    prediction for example ``i`` (lines split as Python's text mode does, ``\\r\\n`` included), surrounding
+    whitespace stripped, so a line of spaces is an empty (wrong) prediction. A trailing
+    ``<TAB><db_id>`` naming example ``i``'s database (the gold-file layout) is dropped; every other
+    tab is whitespace inside the SQL. The official reader instead cuts a line at its first tab
+    (``line.strip().split('\\t')[0]``), which truncates a query written with tabs, such as
+    c3sql_chatgpt.sql line 771 (docs/evaluation.md).
+    """
+    path = pathlib.Path(path)
+    if path.suffix.lower() == ".csv":
+        with open(path, encoding="utf-8", newline="") as f:
+            reader = csv.DictReader(f)
+            column = next((c for c in _CSV_SQL_COLUMNS if c in (reader.fieldnames or ())), None)
+            if column is None:
+                raise DataError(f"{path}: no SQL column (looked for {', '.join(_CSV_SQL_COLUMNS)}); "
+                                f"columns are {reader.fieldnames}")
+            return [(row[column] or "").replace("\t", " ").strip() for row in reader]
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    out = []
+    for i, line in enumerate(lines):
+        sql = line.strip()
+        head, tab, last = sql.rpartition("\t")
+        if tab and examples is not None and i < len(examples) and last.strip() == examples[i].db_id:
+            sql = head.strip()
+        out.append(sql.replace("\t", " "))
+    return out
+
+
+def missing_databases(data_dir: str | os.PathLike, examples: Iterable[Example],
+                      split: str | None = None) -> dict[str, int]:
     """db_id -> number of examples, for the databases of ``examples`` that are not on disk."""
     counts = collections.Counter(e.db_id for e in examples)
     missing = {}
     for db_id, n in counts.items():
         try:
-            db_path(data_dir, db_id)
+            db_path(data_dir, db_id, split)
         except MissingDatabaseError:
             missing[db_id] = n
     return missing

@@ -1,10 +1,11 @@
 """TFDS builder of clause preference tuples, written as ArrayRecord, read back without TensorFlow.
 
-``manual_dir`` holds a Spider/BIRD layout::
+``manual_dir`` holds a Spider or BIRD layout, read by ``caper_jax.data.spider`` (the one reader)::
 
-    dev.json | train_spider.json | train.json     questions: {"db_id", "question", "query" | "SQL"}
+    questions per split     Spider dev.json, train_spider.json + train_others.json; BIRD dev.json |
+                            dev/dev.json, train.json | train/train.json ("query" | "SQL")
     tables.json | <split>_tables.json             optional: the schema text of the PRM prompt
-    database/<db_id>/<db_id>.sqlite               (BIRD: <split>_databases/<db_id>/<db_id>.sqlite)
+    database/<db_id>/<db_id>.sqlite               (BIRD: <split>_databases/, <split>/<split>_databases/)
     predictions_<split>.jsonl                     optional: {"db_id", "question", "gold", "pred"}
 
 Every question yields fault-injection tuples on its gold query; every line of a predictions file
@@ -34,42 +35,29 @@ from etils import epath
 import tensorflow_datasets as tfds
 from tqdm import tqdm
 
+from caper_jax.data import spider as readers
 from caper_jax.sql.tuples import AnnotationSettings, Annotator, PreferenceTuple
 
-_SPLIT_FILES = {"train": ("train_spider.json", "train.json"), "dev": ("dev.json",),
-                "test": ("test.json",)}
 _TEXT_FIELDS = tuple(f.name for f in dataclasses.fields(PreferenceTuple) if f.name != "margin")
 
 
-class LayoutError(FileNotFoundError):
-    """The manual directory is not in Spider/BIRD layout."""
-
-
-def split_file(manual_dir: str | os.PathLike, split: str) -> pathlib.Path:
-    root = pathlib.Path(manual_dir)
-    for name in _SPLIT_FILES.get(split, (f"{split}.json",)):
-        if (root / name).is_file():
-            return root / name
-    raise LayoutError(f"no questions file for split {split!r} in {root} "
-                      f"(looked for {', '.join(_SPLIT_FILES.get(split, (f'{split}.json',)))})")
+class LayoutError(readers.DataError, FileNotFoundError):
+    """The manual directory is not in Spider/BIRD layout (a ``DataError`` of the reader)."""
 
 
 def read_trajectories(manual_dir: str | os.PathLike, split: str, *, predictions: bool = True,
                       limit: int = 0) -> list[dict]:
     """Trajectories of one split: gold questions first, then predictions (each capped at ``limit``).
 
-    A question record becomes ``{"question", "db_id", "gold"}``; a predictions line is kept as
+    A question record (``caper_jax.data.spider.load_split``: Spider's train is train_spider.json +
+    train_others.json) becomes ``{"question", "db_id", "gold"}``; a predictions line is kept as
     written (``pred`` included). Spider calls the gold ``query``, BIRD ``SQL``.
     """
-    path = split_file(manual_dir, split)
     try:
-        entries = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise LayoutError(f"{path} is not JSON: {e}") from e
-    out = []
-    for entry in entries[:limit or None]:
-        gold = entry.get("query", entry.get("SQL"))
-        out.append({"question": entry.get("question", ""), "db_id": entry["db_id"], "gold": gold})
+        examples = readers.load_split(manual_dir, split)
+    except readers.DataError as e:
+        raise LayoutError(str(e)) from e
+    out = [{"question": ex.question, "db_id": ex.db_id, "gold": ex.query} for ex in examples[:limit or None]]
     pred_path = pathlib.Path(manual_dir) / f"predictions_{split}.jsonl"
     if predictions and pred_path.is_file():
         with pred_path.open() as f:
@@ -79,17 +67,31 @@ def read_trajectories(manual_dir: str | os.PathLike, split: str, *, predictions:
 
 
 def read_tables(manual_dir: str | os.PathLike, split: str | None = None) -> dict[str, dict]:
-    """``tables.json`` (BIRD: ``<split>_tables.json``) records by db_id; {} when there is none.
+    """Schema records by db_id (``caper_jax.data.spider.load_schemas``: ``tables.json``, BIRD's
+    ``<split>_tables.json``, ``split``'s own first); {} when the layout has no schema file.
 
     Schemas for mutations and canonicalisation are read from the SQLite files (what the data
     obeys); tables.json only gives the prompt's schema text, so that it matches what the PRM and
     policy pipelines serialise from the same file.
     """
-    root = pathlib.Path(manual_dir)
-    for name in ([f"{split}_tables.json"] if split else []) + ["tables.json"]:
-        if (root / name).is_file():
-            return {entry["db_id"]: entry for entry in json.loads((root / name).read_text())}
-    return {}
+    if not readers.schema_files(manual_dir, split):
+        return {}
+    try:
+        return readers.load_schemas(manual_dir, split)
+    except readers.DataError as e:
+        raise LayoutError(str(e)) from e
+
+
+def database_dirs(manual_dir: str | os.PathLike, split: str, database_dir: str = "") -> tuple[pathlib.Path, ...]:
+    """Where a split's databases are: ``database_dir`` under ``manual_dir`` ("{split}" replaced) when
+    set, else the layout's folders (``caper_jax.data.spider.database_dirs``, the split's own first)."""
+    if database_dir:
+        return (pathlib.Path(manual_dir) / database_dir.format(split=split),)
+    found = readers.database_dirs(manual_dir, split)
+    if not found:
+        raise LayoutError(f"{manual_dir} has no database folder (database/, {split}_databases/, "
+                          f"{split}/{split}_databases/)")
+    return found
 
 
 @dataclasses.dataclass(eq=False)
@@ -98,7 +100,7 @@ class CaperConfig(tfds.core.BuilderConfig):
     splits: tuple[str, ...] = ("dev",)
     limit: int = 0
     predictions: bool = True
-    database_dir: str = "database"   # under manual_dir; "{split}" is replaced (BIRD: "{split}_databases")
+    database_dir: str = ""   # "" = the layout's (spider.database_dirs); else under manual_dir, "{split}" replaced
 
 
 class CaperTuples(tfds.core.GeneratorBasedBuilder):
@@ -106,10 +108,11 @@ class CaperTuples(tfds.core.GeneratorBasedBuilder):
 
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "Fault-injection and counterfactual tuples."}
-    MANUAL_DOWNLOAD_INSTRUCTIONS = ("Point manual_dir at a Spider/BIRD layout: <split>.json, "
-                                    "database/<db_id>/<db_id>.sqlite, optional predictions_<split>.jsonl.")
+    MANUAL_DOWNLOAD_INSTRUCTIONS = ("Point manual_dir at a Spider/BIRD layout (caper_jax/data/spider.py): "
+                                    "questions per split, database/ or <split>_databases/, "
+                                    "optional predictions_<split>.jsonl.")
     BUILDER_CONFIGS = [CaperConfig(name="spider"), CaperConfig(name="demo", splits=("train", "dev")),
-                       CaperConfig(name="bird", database_dir="{split}_databases")]
+                       CaperConfig(name="bird")]
 
     @tfds.core.utils.classproperty
     @classmethod
@@ -143,16 +146,17 @@ class CaperTuples(tfds.core.GeneratorBasedBuilder):
         trajectories = read_trajectories(manual_dir, split, predictions=config.predictions,
                                          limit=config.limit)
         # Every gold is mutated through its question record; a correct prediction adds nothing.
-        database_dir = pathlib.Path(manual_dir) / config.database_dir.format(split=split)
+        database_dir = database_dirs(manual_dir, split, config.database_dir)
         tables = read_tables(manual_dir, split)
         if self.use_beam:
             from caper_jax.data.beam_annotate import annotate_trajectories
 
             summary_path = str(pathlib.Path(self.data_dir) / f"summary_{split}.json")
-            return annotate_trajectories(trajectories, str(database_dir), config.settings, tables, summary_path)
+            return annotate_trajectories(trajectories, [str(d) for d in database_dir], config.settings, tables,
+                                         summary_path)
         return self._annotate_here(trajectories, database_dir, tables, split)
 
-    def _annotate_here(self, trajectories: list[dict], database_dir: pathlib.Path, tables: dict[str, dict],
+    def _annotate_here(self, trajectories: list[dict], database_dir: tuple[pathlib.Path, ...], tables: dict[str, dict],
                        split: str) -> Iterator[tuple[str, dict]]:
         config: CaperConfig = self.builder_config
         annotator = Annotator(database_dir, config.settings, tables)

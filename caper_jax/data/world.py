@@ -4,14 +4,22 @@ Every trainer (PRM, SFT, GRPO) and the evaluator start from ``prepare_world(conf
 
 * ``config.data.kind == "demo"``: the demo world is built under ``<workdir>/demo_world`` (or reused
   when its manifest matches) together with the demo tokenizer — no downloads.
-* ``config.data.kind == "spider"``: ``config.data.dir`` holds Spider/BIRD layout
-  (``train_spider.json``/``dev.json``, ``tables.json``, ``database/<db>/<db>.sqlite``); the tokenizer
-  comes from ``config.model.tokenizer_dir`` or the model's HF directory.
+* ``config.data.kind == "spider"``: ``config.data.dir`` holds Spider or BIRD layout, read by
+  ``caper_jax.data.spider`` (Spider: ``train_spider.json`` + ``train_others.json``, ``dev.json``,
+  ``tables.json``, ``database/``; BIRD: ``train/train.json``, ``dev.json``, ``<split>_tables.json``,
+  ``dev_databases/`` and ``train_databases/``); the tokenizer comes from ``config.model.tokenizer_dir``
+  or the model's HF directory.
+
+``DataWorld.database_dir`` is every database folder of the layout (a tuple, searched in order):
+``Executors`` and ``Annotator`` take it as it is, so a BIRD root finds its training databases as
+well as its dev ones.
 """
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+
+from caper_jax.data import spider as readers
 
 
 class WorldError(ValueError):
@@ -20,13 +28,14 @@ class WorldError(ValueError):
 
 @dataclasses.dataclass
 class DataWorld:
-    dir: pathlib.Path              # Spider layout root
-    database_dir: pathlib.Path     # <db_id>/<db_id>.sqlite below it
-    tokenizer: object              # transformers PreTrainedTokenizer(Fast)
+    dir: pathlib.Path                          # Spider/BIRD layout root
+    database_dir: tuple[pathlib.Path, ...]     # folders with <db_id>/<db_id>.sqlite (readers.database_dirs)
+    tokenizer: object                          # transformers PreTrainedTokenizer(Fast)
     kind: str
 
-    def db_path(self, db_id: str) -> pathlib.Path:
-        return self.database_dir / db_id / f"{db_id}.sqlite"
+    def db_path(self, db_id: str, split: str | None = None) -> pathlib.Path:
+        """``<db_id>.sqlite`` (``split``'s own folder first); raises ``readers.MissingDatabaseError``."""
+        return readers.db_path(self.dir, db_id, split)
 
 
 def _tokenizer_from(path: str):
@@ -51,7 +60,7 @@ def prepare_world(config, workdir: str | pathlib.Path) -> DataWorld:
             tokenizer = _tokenizer_from(str(tok_dir))
         else:
             tokenizer = build_demo_tokenizer(tok_dir, seed=config.seed)
-        return DataWorld(root, root / "database", tokenizer, kind)
+        return DataWorld(root, readers.database_dirs(root), tokenizer, kind)
     if kind == "spider":
         if not config.data.dir:
             raise WorldError("data.kind='spider' needs --config.data.dir=<Spider/BIRD layout directory>")
@@ -61,8 +70,9 @@ def prepare_world(config, workdir: str | pathlib.Path) -> DataWorld:
         source = config.model.tokenizer_dir or config.model.hf_dir
         if not source:
             raise WorldError("Spider data needs a tokenizer: set model.tokenizer_dir or model.hf_dir")
-        databases = [root / d for d in ("database", "dev_databases", "train_databases") if (root / d).is_dir()]
+        databases = readers.database_dirs(root)
         if not databases:
-            raise WorldError(f"{root} has no database/ (or BIRD dev_databases/) directory")
-        return DataWorld(root, databases[0], _tokenizer_from(source), kind)
+            raise WorldError(f"{root} has no database folder (Spider: database/; BIRD: dev_databases/, "
+                             f"train_databases/ or dev/dev_databases/, train/train_databases/)")
+        return DataWorld(root, databases, _tokenizer_from(source), kind)
     raise WorldError(f"data.kind={kind!r}; expected 'demo' or 'spider'")

@@ -234,7 +234,7 @@ def usable_examples(data_dir: pathlib.Path, split: str, schema_values: int, exec
     for ex in load_split(data_dir, split):
         if ex.db_id not in present:
             try:
-                db_path(data_dir, ex.db_id)
+                db_path(data_dir, ex.db_id, split)
                 present[ex.db_id] = True
             except MissingDatabaseError:
                 present[ex.db_id] = False
@@ -318,8 +318,11 @@ def _policy_data_dir(train: dict, policy_path: str) -> pathlib.Path:
     raise ValueError("set data.dir: the policy's training config names no dataset directory")
 
 
-def database_dir(data_dir: pathlib.Path) -> pathlib.Path:
-    for name in ("database", "dev_databases", "train_databases"):
-        if (data_dir / name).is_dir():
-            return data_dir / name
-    raise FileNotFoundError(f"{data_dir} has no database/ (or BIRD dev_databases/) directory")
+def database_dir(data_dir: pathlib.Path) -> tuple[pathlib.Path, ...]:
+    """Every database folder of the layout (``caper_jax.data.spider.database_dirs``), for ``Executors``."""
+    from caper_jax.data.spider import database_dirs
+
+    found = database_dirs(data_dir)
+    if not found:
+        raise FileNotFoundError(f"{data_dir} has no database folder (database/, dev_databases/, train_databases/)")
+    return found

@@ -63,9 +63,12 @@ def lm_config(config, tokenizer=None) -> LmAuxConfig:
 
 def annotation_settings(config) -> AnnotationSettings:
     a = config.annotate
+    semantics = a.get("semantics", "spider")
+    if semantics not in ("spider", "bird"):
+        raise ValueError(f"annotate.semantics={semantics!r}; expected 'spider' or 'bird'")
     return AnnotationSettings(alpha=a.alpha, sigma=a.sigma, margin_floor=a.margin_floor,
                               per_query=a.per_query, compound=a.compound, site_balance=a.site_balance,
-                              timeout_s=a.timeout_s,
+                              timeout_s=a.timeout_s, semantics=semantics,
                               within_trajectory=a.within_trajectory, seed=config.seed,
                               suspect_tuples=a.get("suspect_tuples", False))
 

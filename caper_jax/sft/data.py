@@ -55,12 +55,16 @@ def examples_from_split(data_dir, split: str, *, schema_values: int = 0,
                         values_for: Callable[[str], bool] | None = None) -> list[SftExample]:
     """Spider/BIRD/demo-layout examples of one split with their serialised schemas.
 
+    Questions, schemas and databases come from the one layout reader, ``caper_jax.data.spider``
+    (Spider's train = train_spider.json + train_others.json; BIRD's ``<split>_tables.json`` and
+    ``<split>_databases/`` first for their split).
+
     ``schema_values`` > 0 lists that many frequent values per text column, read from each database;
     ``values_for(db_id)`` False leaves them out for that database (evaluation: its file is missing).
     """
     from caper_jax.data.spider import db_path, load_schemas, load_split
 
-    schemas = load_schemas(data_dir)
+    schemas = load_schemas(data_dir, split)
     serialised: dict[str, str] = {}
     out = []
     for ex in load_split(data_dir, split):
@@ -68,7 +72,7 @@ def examples_from_split(data_dir, split: str, *, schema_values: int = 0,
             raise SftDataError(f"{split}[{ex.index}]: database {ex.db_id!r} is not in the schema file of {data_dir}")
         if ex.db_id not in serialised:
             values = schema_values if values_for is None or values_for(ex.db_id) else 0
-            path = db_path(data_dir, ex.db_id) if values else None
+            path = db_path(data_dir, ex.db_id, split) if values else None
             serialised[ex.db_id] = serialize_schema(schemas[ex.db_id], values, path)
         out.append(SftExample(ex.question, serialised[ex.db_id], ex.query, ex.db_id, ex.evidence))
     return out
