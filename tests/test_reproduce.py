@@ -50,6 +50,7 @@ def test_prm_data_links_the_world_and_holds_only_policy_samples(tmp_path):
     assert (out / "predictions_train.jsonl").read_text() == train_samples.read_text()
     dev = [json.loads(line) for line in (out / "predictions_dev.jsonl").read_text().splitlines()]
     assert [d["pred"] for d in dev] == ["SELECT 3", "SELECT 4"]
+    assert all(d["samples"] == ["SELECT 3", "SELECT 4", "SELECT 3", ""] for d in dev)   # the whole group, for disagreement
     assert all(d["gold"] == "SELECT 3" and d["question"] == "q2" for d in dev)
 
 
@@ -58,7 +59,10 @@ def _fake_stage_outputs(out: pathlib.Path, config) -> dict:
     (out / "prm").mkdir(parents=True)
     loc = {m: {"top1": t, "mrr": r, "n": 10, "per_clause": {"WHERE": {"top1": t, "mrr": r, "n": 10}},
                "confusion": {}}
-           for m, t, r in [("prm", 0.6, 0.8), ("heuristic", 0.5, 0.7), ("random", 0.3, 0.55), ("execution", 0.2, 0.5)]}
+           for m, t, r in [("prm", 0.6, 0.8), ("heuristic", 0.9, 0.95), ("random", 0.3, 0.55), ("execution", 0.2, 0.5),
+                           ("disagreement", 0.4, 0.6)]}
+    for m in loc:
+        loc[m]["sees_gold"] = m == "heuristic"
     (out / "prm" / "results.json").write_text(json.dumps(
         {"metrics": {"eval/pair_accuracy": 0.9}, "localization": loc, "n_failures": 10}))
     ex = {"sft": [0.1], "sparse": [0.2, 0.4], "token": [0.1, 0.1], "clause": [0.3, 0.5]}
@@ -68,7 +72,8 @@ def _fake_stage_outputs(out: pathlib.Path, config) -> dict:
             d = out / "eval" / run
             d.mkdir(parents=True)
             metrics = {"greedy": value, "majority_vote": value + 0.05, "oracle": 0.9,
-                       "prm": {"min": value + 0.1, "mean": value, "last": value}}
+                       "prm": {"min": value + 0.1, "mean": value, "last": value, "vote_min": value + 0.07,
+                               "vote_mean": value + 0.06, "vote_last": value + 0.05}}
             (d / "results.json").write_text(json.dumps({"n": 40, "metrics": metrics}))
         for s, value in zip(config.seeds if name != "sft" else (), values):
             d = out / "grpo" / reproduce.run_name(name, s)
@@ -76,6 +81,9 @@ def _fake_stage_outputs(out: pathlib.Path, config) -> dict:
             (d / "metrics.jsonl").write_text("".join(
                 json.dumps({"step": step, "rollout/ex": value * step, "rollout/reward_mean": value}) + "\n"
                 for step in (1, 2)))
+    # The training pool picked vote_min (it is not the best on these test numbers: min is).
+    (out / "rerank_pick.json").write_text(json.dumps({"split": "train", "n": 50, "k": 8, "picked": "vote_min",
+                                                      "ex": {"min": 0.3, "vote_min": 0.4}}))
     return ex
 
 
@@ -88,20 +96,44 @@ def test_collect_and_report_from_stage_outputs(tmp_path):
 
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["localization_top1"] == 0.6 and saved["localization_mrr"] == 0.8
-    assert saved["baselines"] == {"heuristic": {"top1": 0.5, "mrr": 0.7}, "random": {"top1": 0.3, "mrr": 0.55},
-                                  "execution": {"top1": 0.2, "mrr": 0.5}}
+    assert saved["baselines"] == {"heuristic": {"top1": 0.9, "mrr": 0.95, "sees_gold": True},
+                                  "random": {"top1": 0.3, "mrr": 0.55, "sees_gold": False},
+                                  "execution": {"top1": 0.2, "mrr": 0.5, "sees_gold": False},
+                                  "disagreement": {"top1": 0.4, "mrr": 0.6, "sees_gold": False}}
+    assert saved["best_fair_baseline"] == "disagreement"        # the heuristic sees gold: not a competitor
+    assert saved["rerank_aggregate"] == "vote_min"               # report.rerank="train": the training pool's pick
+    assert list(saved["rerank8"]) == ["min", "mean", "last", "vote_min", "vote_mean", "vote_last"]
     for name, values in ex.items():
         assert saved["ex"][name]["mean"] == pytest.approx(np.mean(values))
         assert saved["mv8"][name]["mean"] == pytest.approx(np.mean(values) + 0.05)
-        assert saved["rerank8"][name]["mean"] == pytest.approx(np.mean(values) + 0.1)   # report.rerank = min
+        assert saved["rerank8"]["min"][name]["mean"] == pytest.approx(np.mean(values) + 0.1)
+        assert saved["rerank8"]["vote_last"][name]["mean"] == pytest.approx(np.mean(values) + 0.05)
+    # Paired by seed: clause (0.3, 0.5) - sparse (0.2, 0.4) = (0.1, 0.1): no spread, a zero-width interval;
+    # clause - token = (0.2, 0.4): mean 0.3, sd 0.1414, t(0.975, 1) = 12.706 -> 0.3 ± 12.706 * 0.1414 / sqrt(2).
+    paired = saved["paired_differences"]
+    assert paired["greedy_ex"]["clause-sparse"]["lo"] == pytest.approx(0.1)
+    assert paired["greedy_ex"]["clause-sparse"]["hi"] == pytest.approx(0.1)
+    token = paired["greedy_ex"]["clause-token"]
+    assert token["mean"] == pytest.approx(0.3) and token["n"] == 2
+    assert token["hi"] - token["mean"] == pytest.approx(12.7062 * np.std([0.2, 0.4], ddof=1) / np.sqrt(2), rel=1e-4)
+    assert paired["rerank_minus_mv"]["sft"]["lo"] is None and paired["rerank_minus_mv"]["sft"]["mean"] == \
+        pytest.approx(0.02)
+    # vote_min - MV = +0.02 in every one of the 6 GRPO runs (3 variants x 2 seeds): zero spread.
+    assert paired["rerank_minus_mv_grpo_pooled"]["n"] == 6
+    assert paired["rerank_minus_mv_grpo_pooled"]["lo"] == pytest.approx(0.02)
     assert saved["ex"]["sparse"]["std"] == pytest.approx(np.std([0.2, 0.4], ddof=1))
     assert saved["curves"]["clause"]["rollout/ex"] == pytest.approx([0.4, 0.8])   # mean over seeds, per step
     md = (tmp_path / "results.md").read_text()
-    assert "| Clause-PRM | 60.0 | 80.0 |" in md
+    assert "| Clause-PRM | no | 60.0 | 80.0 |" in md and "| heuristic | **yes** (reference only) | 90.0 |" in md
     assert "| GRPO, clause-level (CAPER) | 40.0 ± 14.1 |" in md
-    assert "| sparse | 35.0 | 40.0 | +5.0 |" in md
-    # paired by seed: clause (0.3, 0.5) - token (0.1, 0.1) = (0.2, 0.4)
-    assert "clause-level minus token GRPO: +30.0 ± 14.1 points" in md
+    assert "| sparse | 35.0 | 40.0 (+5.0) | 30.0 (-5.0) |" in md
+    assert "Greedy EX, clause minus token GRPO: +30.0 points [95 % t-interval -97.1, +157.1] over 2 pairs" in md
+    # In words: PRM 60 vs disagreement 40 on n = 10 -> SE sqrt(.24/10 + .24/10) = .219, ±42.9: not shown.
+    assert "1. **The Clause-PRM localises root causes better than gold-free methods**: not shown." in md
+    assert "+20.0 points, approximate 95 % interval ±42.9 (n = 10)" in md
+    assert "2. **Clause-level GRPO beats sparse and token-level GRPO in EX**: not shown." in md
+    assert "3. **PRM reranking beats majority vote**: supported for the reranker `vote_min`" in md
+    assert "misses the paper's +0.7" not in md   # +2.0 points meets it
     assert (tmp_path / "grpo_curves.png").stat().st_size > 0
     assert (tmp_path / "localization_per_clause.png").stat().st_size > 0
 
@@ -110,6 +142,7 @@ def test_collect_and_report_from_stage_outputs(tmp_path):
     (["--config=configs/reproduce.py", "--config.sft.optim.lrr=1"],
      "unknown config key 'sft.optim.lrr'; did you mean ['sft.optim.lr'"),
     (["--config=configs/reproduce.py", "--config.report.rerank=max"], "report.rerank='max' is not in"),
+    (["--config=configs/reproduce.py", "--config.prm_init=hf"], "prm_init='hf'; expected one of"),
     (["--config=configs/reproduce.py", "--config.grpo.rl.group_size=0"], "grpo."),
     (["--config=configs/reproduce.py:seeds=0"], "seeds=() must be non-empty"),
     (["--config=configs/reproduce.py", "--config.eval.sampling.k=1"], "eval.sampling.k must be >= 2"),
@@ -125,14 +158,45 @@ def test_bad_reproduce_config_is_one_clear_error(args, message, tmp_path):
 def test_every_stage_runs_and_a_rerun_resumes_without_redoing_work(tmp_path):
     """configs/reproduce.py:fast (toy steps, 2 variants x 1 seed): every stage's output exists and the
     report holds what the issue asks for; a second run finds everything done and only rewrites the report."""
-    out = tmp_path / "rep"
+    out, twin = tmp_path / "rep", tmp_path / "twin"
     cmd = [sys.executable, "-m", "caper_jax.train", "--config=configs/reproduce.py:fast,seeds=1",
-           "--config.variants=('sparse','clause')", f"--workdir={out}"]
+           "--config.variants=('sparse','clause')"]
+    # A twin run from nothing, side by side: every figure must come out the same (a lost seed, an
+    # unordered set or a wall-clock dependence anywhere in the pipeline shows up here).
+    twin_run = subprocess.Popen(cmd + [f"--workdir={twin}"], cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    cmd.append(f"--workdir={out}")
     first = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
+    # Every stage ends with its summary on screen, the reproduction with its headline rows and files.
+    for title in ("SFT run finished", "Clause-PRM run finished", "GRPO (sparse) run finished",
+                  "GRPO (clause) run finished", "Reproduction finished"):
+        assert title in first.stdout, (title, first.stdout[-3000:])
+    final = first.stdout.split("Reproduction finished")[-1]
+    assert "Clause-PRM" in final and "MV@" in final and str(out / "results.md") in final
+    _, twin_err = twin_run.communicate(timeout=900)
+    assert twin_run.returncode == 0, twin_err[-3000:]
     results = json.loads((out / "results.json").read_text())
-    for key in ("localization_top1", "localization_mrr", "baselines", "ex", "mv8", "rerank8"):
+    twin_results = json.loads((twin / "results.json").read_text())
+    results_but_time = {k: v for k, v in results.items() if k != "seconds"}
+    assert results_but_time == {k: v for k, v in twin_results.items() if k != "seconds"}
+    assert set(twin_results) - set(results_but_time) == {"seconds"}
+    for key in ("localization_top1", "localization_mrr", "baselines", "ex", "mv8", "rerank8", "paired_differences"):
         assert key in results
+    # The gold-free baselines had their inputs: the SFT policy's clause log-probs and the k samples (a toy
+    # policy may write no parseable failure at all: then Table 1 is empty).
+    if results["localization_n"]:
+        assert {"confidence", "disagreement", "heuristic"} <= set(results["baselines"])
+        assert results["baselines"]["heuristic"]["sees_gold"] is True
+    dev = [json.loads(line) for line in (out / "prm_data" / "predictions_dev.jsonl").read_text().splitlines()]
+    assert all(len(d["samples"]) == 2 and "clause_logprob" in d for d in dev)
+    # The PRM started from the SFT run; the reranker was picked on training questions.
+    from caper_jax.eval import restore
+    prm_config = restore.stored_config(restore.latest_whole_step(restore.checkpoints_dir(out / "prm")))
+    assert prm_config["model"]["init_from"] == str(out / "sft")
+    pick = json.loads((out / "rerank_pick.json").read_text())
+    assert pick["split"] == "train" and results["rerank_aggregate"] == pick["picked"]
+    assert set(results["rerank8"]) == set(pick["ex"]) == {"min", "mean", "last", "vote_min", "vote_mean", "vote_last"}
     assert set(results["ex"]) == {"sft", "sparse", "clause"}
     assert results["ex"]["sparse"]["values"] and len(results["ex"]["sparse"]["values"]) == 1
     assert (out / "grpo" / "clause_s0" / "checkpoints").is_dir() and (out / "prm" / "checkpoints").is_dir()

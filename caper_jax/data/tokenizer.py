@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import pathlib
 import random
+from collections.abc import Sequence
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
@@ -63,8 +64,11 @@ def training_corpus(seed: int = 0) -> tuple[str, ...]:
 
 
 def build_demo_tokenizer(out_dir: str | pathlib.Path | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                         seed: int = 0) -> PreTrainedTokenizerFast:
-    """Trains the demo tokenizer; saves it to ``out_dir`` (``AutoTokenizer.from_pretrained`` loads it)."""
+                         seed: int = 0, corpus: Sequence[str] | None = None) -> PreTrainedTokenizerFast:
+    """Trains the demo tokenizer; saves it to ``out_dir`` (``AutoTokenizer.from_pretrained`` loads it).
+
+    ``corpus``: other training texts (say, Spider's training prompts + SQL) instead of the demo world's.
+    """
     min_size = 256 + len(SPECIAL_TOKENS)
     if vocab_size < min_size:
         raise ValueError(f"vocab_size must be >= {min_size} (256 bytes + special tokens), got {vocab_size}")
@@ -78,7 +82,7 @@ def build_demo_tokenizer(out_dir: str | pathlib.Path | None = None, vocab_size: 
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    corpus = list(training_corpus(seed))
+    corpus = list(training_corpus(seed) if corpus is None else corpus)
     random.Random(seed).shuffle(corpus)
     tok.train_from_iterator(corpus, trainer=trainer, length=len(corpus))
 

@@ -10,7 +10,6 @@ counts for the last clause. Log-probs come from ``caper_jax.sft.trainer.sequence
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,7 +55,7 @@ def clause_logprobs(policy, rows: Sequence[Mapping[str, Any]], *, max_len: int =
         return out
     graphdef, params = nnx.split(policy.model)
 
-    @functools.partial(jax.jit)
+    @jax.jit
     def logprobs(params, ids, mask):
         return sequence_logprobs(nnx.merge(graphdef, params), ids, mask)
 
