@@ -83,7 +83,11 @@ def annotate_split(world: DataWorld, split: str, settings: AnnotationSettings, c
     from caper_jax.data.annotation_source import annotated_dataset, trajectory_dataset
     from caper_jax.data.tfds_caper import read_tables
 
-    key = hashlib.sha256(json.dumps([str(world.dir), split, dataclasses.asdict(settings), TUPLE_FORMAT],
+    from caper_jax.data.spider import split_files
+
+    # The split's files are part of the key: Spider's train reads train_others.json too since issue 15.
+    files = [str(p.relative_to(world.dir)) for p in split_files(world.dir, split)]
+    key = hashlib.sha256(json.dumps([str(world.dir), split, files, dataclasses.asdict(settings), TUPLE_FORMAT],
                                     sort_keys=True).encode()).hexdigest()[:12]
     path = cache_dir / f"{split}-{key}.jsonl"
     if path.exists():
@@ -201,6 +205,7 @@ def build_model(config, vocab_size: int, mesh, rules) -> ClausePRM:
 
 
 def run(config, workdir: str) -> dict:
+    started = time.perf_counter()
     multihost.initialize()
     workdir = pathlib.Path(workdir)
     main = multihost.is_main_process()
@@ -298,6 +303,9 @@ def run(config, workdir: str) -> dict:
                     workdir / "loss_curve.png", title="Clause-PRM training")
     if config.export_hf:
         export_prm_to_hf(nnx.merge(graphdef, state.params), workdir / "hf_export", tokenizer)
+    from caper_jax.utils import summary as summary_lib
+
+    summary_lib.prm_run(results, workdir, time.perf_counter() - started, export=config.export_hf)
     return results
 
 

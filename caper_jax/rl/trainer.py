@@ -322,6 +322,7 @@ def reward_config(config) -> rollout_lib.RewardConfig:
 
 
 def run(config, workdir: str) -> dict:
+    started = time.perf_counter()
     from caper_jax.data.prompts import policy_prompt
     from caper_jax.data.world import prepare_world
     from caper_jax.sql.execution import Executors
@@ -479,6 +480,10 @@ def run(config, workdir: str) -> dict:
     finish_policy_run(workdir, writer, total, results, rows, policy, tokenizer, export_hf=config.export_hf,
                       curves=["rollout/reward_mean", "rollout/ex", "train/kl_ref", "train/entropy"],
                       png="grpo_curves.png", title=f"GRPO ({config.reward.variant})")
+    from caper_jax.utils import summary as summary_lib
+
+    summary_lib.policy_run(f"GRPO ({config.reward.variant})", results, workdir, time.perf_counter() - started,
+                           eval_split=config.data.eval_split, png="grpo_curves.png", export=config.export_hf)
     return results
 
 
