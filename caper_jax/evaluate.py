@@ -1,6 +1,6 @@
 """``python -m caper_jax.evaluate <command>``: evaluation entry points.
 
-    ex --data DIR --split dev --predictions P.jsonl [--semantics spider|bird] [--output OUT.jsonl]
+    ex --data DIR --split dev --predictions P.jsonl [--semantics spider|spider_official|bird] [--output OUT.jsonl]
        [--timeout_s 30] [--max_rows 1000000]
         Execution accuracy (caper_jax/evaluate_ex.py; docs/sql.md). Reports (malformed lines,
         excluded examples) go to stderr; the last stdout line is the JSON summary
@@ -22,16 +22,22 @@ import argparse
 import json
 import sys
 
+import time
 from caper_jax import evaluate_ex
 from caper_jax.data.spider import DataError
+from caper_jax.utils import summary as summary_lib
 
+from caper_jax.sql.semantics import SEMANTICS, check_semantics
 
 def _add_ex(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("ex", help="execution accuracy of predictions (JSON lines)")
     parser.add_argument("--data", required=True, help="dataset folder (Spider or BIRD layout)")
     parser.add_argument("--split", default="dev", help="split name: <data>/<split>.json")
-    parser.add_argument("--predictions", required=True, help="JSON lines: index + pred | candidates")
-    parser.add_argument("--semantics", choices=("spider", "bird"), default="spider")
+    parser.add_argument("--predictions", required=True,
+                        help="JSON lines (index + pred | candidates), or a .sql/.txt/.csv file of one "
+                             "prediction per example in split order (published systems' format)")
+    parser.add_argument("--semantics", choices=SEMANTICS, default="spider",
+                        help="spider_official: the official evaluator's default, DISTINCT removed (docs/evaluation.md)")
     parser.add_argument("--output", default=None, help="per-line results (JSON lines)")
     parser.add_argument("--timeout_s", type=float, default=evaluate_ex.DEFAULT_TIMEOUT_S)
     parser.add_argument("--max_rows", type=int, default=evaluate_ex.DEFAULT_MAX_ROWS)
@@ -40,13 +46,16 @@ def _add_ex(commands: argparse._SubParsersAction) -> None:
 
 def run_ex(args: argparse.Namespace) -> int:
     try:
+    started = time.perf_counter()
         summary = evaluate_ex.evaluate_ex(
             args.data, args.split, args.predictions, semantics=args.semantics, output=args.output,
             timeout_s=args.timeout_s, max_rows=args.max_rows)
     except (DataError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(summary))
+    print(json.dumps(summary), flush=True)
+    summary_lib.evaluate_ex_run(summary, args.predictions, args.semantics, time.perf_counter() - started,
+                                output=args.output)   # on stderr: the last stdout line stays the JSON
     return 0
 
 
@@ -72,8 +81,7 @@ def validate_eval_config(config) -> None:
                       ("prm.path", config.prm.path), ("data.dir", config.data.dir)):
         if path and not pathlib.Path(path).exists():
             raise ValueError(f"{key}={path!r} does not exist")
-    if config.data.semantics not in ("spider", "bird"):
-        raise ValueError(f"data.semantics={config.data.semantics!r}; expected 'spider' or 'bird'")
+    check_semantics(config.data.semantics, what="data.semantics")
     unknown = [a for a in config.prm.aggregates if a not in AGGREGATES]
     if unknown or not config.prm.aggregates:
         raise ValueError(f"prm.aggregates={tuple(config.prm.aggregates)}; expected a non-empty subset of {AGGREGATES}")
@@ -120,11 +128,13 @@ def run_config(argv: list[str]) -> int:
     from caper_jax.eval import policy
 
     try:
+    started = time.perf_counter()
         results = policy.run(config, workdir_flag.value)
     except (DataError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps({"n": results["n"], "k": results["k"], **results["metrics"]}))
+    print(json.dumps({"n": results["n"], "k": results["k"], **results["metrics"]}), flush=True)
+    summary_lib.policy_eval_run(results, workdir_flag.value, time.perf_counter() - started)   # stderr
     return 0
 
 

@@ -12,7 +12,9 @@ line is scored by majority vote over execution results:
   wrong).
 
 Scoring: the chosen SQL is correct iff it executes and ``results_equal(gold, chosen)`` holds under
-``spider`` (ordered iff the gold has ORDER BY) or ``bird`` semantics. Errors and timeouts are wrong.
+``spider`` (ordered iff the gold has ORDER BY) or ``bird`` semantics. ``spider_official`` is the official
+test-suite evaluator's default: every DISTINCT is removed from gold and candidates before they run, then
+they compare as ``spider`` (caper_jax/sql/semantics.py). Errors and timeouts are wrong.
 Examples whose database is missing, or whose gold SQL fails, are reported and excluded from ``n``.
 Malformed lines are reported with their line number and skipped.
 
@@ -23,15 +25,19 @@ and ``any`` (some candidate correct: the oracle upper bound).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
+import pathlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
-from caper_jax.data.spider import MissingDatabaseError, db_path, load_split
-from caper_jax.sql.execution import ExecResult, Executor, Semantics, order_matters, results_equal
+from caper_jax.data.spider import (SQL_PREDICTION_SUFFIXES, MissingDatabaseError, db_path, load_split,
+                                   read_sql_predictions)
+from caper_jax.sql.execution import ExecResult, Executor, order_matters, results_equal
+from caper_jax.sql.semantics import EvalSemantics as Semantics, check_semantics, comparison, executed_sql
 
 DEFAULT_TIMEOUT_S = 30.0  # BIRD's evaluator uses 30 s; Spider gold queries take milliseconds
 DEFAULT_MAX_ROWS = 1_000_000  # far above any Spider/BIRD gold result: a cap, not a filter
@@ -80,7 +86,7 @@ def majority_vote(results: list[ExecResult], semantics: Semantics) -> int:
         if not result.ok:
             continue
         for bucket in buckets:
-            if results_equal(results[bucket[0]], result, semantics=semantics, ordered=False):
+            if results_equal(results[bucket[0]], result, semantics=comparison(semantics), ordered=False):
                 bucket.append(i)
                 break
         else:
@@ -101,15 +107,24 @@ class GradedLine:
     right: list[bool]               # each candidate's result equals the gold's
 
 
+def _prediction_lines(path: str | os.PathLike, examples: Sequence):
+    """The predictions file's lines; a plain SQL file comes as one ``{"index", "pred"}`` line per example."""
+    if pathlib.Path(path).suffix.lower() not in SQL_PREDICTION_SUFFIXES:
+        return open(path, encoding="utf-8")
+    sql = read_sql_predictions(path, examples)
+    return contextlib.nullcontext([json.dumps({"index": i, "pred": s}) for i, s in enumerate(sql)])
+
+
 def grade_predictions(path: str | os.PathLike, examples: Sequence, executor_for: Callable[[str], Executor | None],
                       *, semantics: Semantics, on_malformed: Callable[[int, PredictionError], None]
                       ) -> Iterator[GradedLine]:
     """Every non-blank line of a predictions file, graded; malformed lines go to ``on_malformed``.
 
     ``executor_for(db_id)`` is None when the database is missing. An example is excluded (not
-    graded) when its database is missing or its gold query fails.
+    graded) when its database is missing or its gold query fails. A ``.sql``/``.txt``/``.csv`` file is a
+    published system's predictions, one per example in split order (``read_sql_predictions``).
     """
-    with open(path, encoding="utf-8") as lines:
+    with _prediction_lines(path, examples) as lines:
         for line_number, text in enumerate(lines, start=1):
             if not text.strip():
                 continue
@@ -120,14 +135,14 @@ def grade_predictions(path: str | os.PathLike, examples: Sequence, executor_for:
                 continue
             example = examples[prediction.index]
             executor = executor_for(example.db_id)
-            gold = executor.execute(example.query) if executor is not None else None
+            gold = executor.execute(executed_sql(example.query, semantics)) if executor is not None else None
             if gold is None or not gold.ok:
                 reason = "missing_db" if gold is None else f"gold_{gold.error_kind}"
                 yield GradedLine(line_number, prediction, example, reason, [], [])
                 continue
             ordered = order_matters(example.query)
-            results = [executor.execute(sql) for sql in prediction.candidates]
-            right = [results_equal(gold, r, semantics=semantics, ordered=ordered) for r in results]
+            results = [executor.execute(executed_sql(sql, semantics)) for sql in prediction.candidates]
+            right = [results_equal(gold, r, semantics=comparison(semantics), ordered=ordered) for r in results]
             yield GradedLine(line_number, prediction, example, None, results, right)
 
 
@@ -136,8 +151,7 @@ def evaluate_ex(data_dir: str | os.PathLike, split: str, predictions: str | os.P
                 timeout_s: float = DEFAULT_TIMEOUT_S, max_rows: int = DEFAULT_MAX_ROWS,
                 report: Callable[[str], None] | None = None) -> dict:
     """Scores a predictions file; writes per-line results to ``output``; returns the summary."""
-    if semantics not in ("spider", "bird"):
-        raise ValueError(f"semantics must be 'spider' or 'bird', got {semantics!r}")
+    check_semantics(semantics)
     report = report or (lambda message: print(message, file=sys.stderr))
     examples = load_split(data_dir, split)
     executors: dict[str, Executor | None] = {}
@@ -145,7 +159,7 @@ def evaluate_ex(data_dir: str | os.PathLike, split: str, predictions: str | os.P
     def executor_for(db_id: str) -> Executor | None:
         if db_id not in executors:
             try:
-                executors[db_id] = Executor(db_path(data_dir, db_id), timeout_s=timeout_s,
+                executors[db_id] = Executor(db_path(data_dir, db_id, split), timeout_s=timeout_s,
                                             max_rows=max_rows)
             except MissingDatabaseError:
                 executors[db_id] = None

@@ -1,7 +1,7 @@
 """``python -m caper_jax.verify``: a trained Clause-PRM as a plug-and-play verifier for any system.
 
     python -m caper_jax.verify --prm CKPT --data DIR --candidates FILE.jsonl [--split dev]
-        [--aggregate min|mean|last] [--semantics spider|bird] [--output OUT.jsonl] [--batch_size 16]
+        [--aggregate min|mean|last] [--semantics spider|spider_official|bird] [--output OUT.jsonl] [--batch_size 16]
     python -m caper_jax.verify localize --prm CKPT --data DIR --predictions P.jsonl [--split dev]
         [--output_dir DIR]
 
@@ -53,6 +53,7 @@ from caper_jax.evaluate_ex import (DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, Predicti
 from caper_jax.sql.execution import Executor
 
 AGGREGATES = ("min", "mean", "last")  # == caper_jax.prm.scoring.AGGREGATES (no jax import at parse time)
+from caper_jax.sql.semantics import SEMANTICS, check_semantics
 Report = Callable[[str], None]
 
 
@@ -109,8 +110,7 @@ def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: 
 
     if aggregate not in AGGREGATES:
         raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
-    if semantics not in ("spider", "bird"):
-        raise ValueError(f"semantics must be 'spider' or 'bird', got {semantics!r}")
+    check_semantics(semantics)
     report = report or _stderr
     examples = load_split(data_dir, split)
     databases = _Databases(data_dir, timeout_s=timeout_s, max_rows=max_rows, report=report, where=str(candidates))
@@ -321,7 +321,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     _add_common(parser)
     parser.add_argument("--candidates", required=True, help="JSON lines: index + candidates (or pred)")
     parser.add_argument("--aggregate", choices=AGGREGATES, default="min")
-    parser.add_argument("--semantics", choices=("spider", "bird"), default="spider")
+    parser.add_argument("--semantics", choices=SEMANTICS, default="spider")
     parser.add_argument("--output", default=None, help="per-line choice with clause scores (JSON lines)")
     parser.add_argument("--max_rows", type=int, default=DEFAULT_MAX_ROWS)
     return parser

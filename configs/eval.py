@@ -46,7 +46,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.data.split = "dev"
     c.data.num_examples = arg.n               # 0 = every usable example; else a seeded subset
     c.data.schema_values = -1                 # -1 = as the policy was trained (data.schema_values)
-    c.data.semantics = "spider"               # spider | bird
+    c.data.semantics = "spider"               # spider | spider_official (DISTINCT removed, as papers) | bird
 
     c.sampling = ConfigDict()
     c.sampling.k = arg.k                      # samples per question for MV@k and best-of-k (0: greedy only)

@@ -112,6 +112,8 @@ def test_eval_config_end_to_end_agrees_with_evaluate_ex(runs, tmp_path, capsys):
     results = json.loads((out / "results.json").read_text())
     metrics = results["metrics"]
     assert printed == {"n": 3, "k": 2, **metrics} and set(metrics["prm"]) == set(scoring.SELECTORS)
+    assert "Policy evaluation finished in" in captured.err and "MV@2" in captured.err   # the closing summary
+    assert str(out / "results.md") in captured.err
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(len(r["samples"]) == 2 for r in rows)
     for row in rows:

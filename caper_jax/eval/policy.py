@@ -19,8 +19,8 @@ For every example of a split (database present, gold executes):
   weighted by what the PRM thinks of each member;
 * **first sample** (sample@1) and **oracle@k** (some sample right) bracket the selectors.
 
-EX follows ``evaluate ex``: Spider semantics (ordered iff the gold has ORDER BY) or BIRD's; errors
-and timeouts are wrong. The scoring step (``score_examples``) is pure host code over strings, so
+EX follows ``evaluate ex``: Spider semantics (ordered iff the gold has ORDER BY), the official
+evaluator's default (``spider_official``: DISTINCT removed first) or BIRD's; errors and timeouts are wrong. The scoring step (``score_examples``) is pure host code over strings, so
 it is tested with hand-written predictions; decoding (``decode``) is the only device work besides
 the PRM forward.
 """
@@ -43,6 +43,7 @@ from caper_jax.eval import restore
 from caper_jax.evaluate_ex import majority_vote
 from caper_jax.sft.data import examples_from_split
 from caper_jax.sql.execution import Executors, order_matters, results_equal
+from caper_jax.sql.semantics import comparison, executed_sql
 
 log = logging.getLogger("caper_jax")
 
@@ -176,16 +177,16 @@ def score_examples(examples: Sequence[Any], greedy: Sequence[str], samples: Sequ
     counts: collections.Counter[str] = collections.Counter()
     rows = []
     for i, (ex, pred, group) in enumerate(zip(examples, greedy, samples)):
-        gold = executors.execute(ex.db_id, ex.sql)
+        gold = executors.execute(ex.db_id, executed_sql(ex.sql, semantics))
         ordered = order_matters(ex.sql)
-        right = lambda result: results_equal(gold, result, semantics=semantics, ordered=ordered)  # noqa: E731
-        greedy_result = executors.execute(ex.db_id, pred)
+        right = lambda result: results_equal(gold, result, semantics=comparison(semantics), ordered=ordered)  # noqa: E731
+        greedy_result = executors.execute(ex.db_id, executed_sql(pred, semantics))
         row = {"db_id": ex.db_id, "question": ex.question, "gold": ex.sql, "greedy": pred,
                "greedy_correct": right(greedy_result)}
         counts["greedy"] += row["greedy_correct"]
         counts["greedy_executable"] += greedy_result.ok
         if k:
-            results = [executors.execute(ex.db_id, sql) for sql in group]
+            results = [executors.execute(ex.db_id, executed_sql(sql, semantics)) for sql in group]
             correct = [right(r) for r in results]
             vote = majority_vote(results, semantics)
             row.update(samples=list(group), samples_correct=correct, vote=vote)
