@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-
 import time
+
 from caper_jax import evaluate_ex
 from caper_jax.data.spider import DataError
+from caper_jax.sql.semantics import SEMANTICS, check_semantics
 from caper_jax.utils import summary as summary_lib
 
-from caper_jax.sql.semantics import SEMANTICS, check_semantics
 
 def _add_ex(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("ex", help="execution accuracy of predictions (JSON lines)")
@@ -45,8 +45,8 @@ def _add_ex(commands: argparse._SubParsersAction) -> None:
 
 
 def run_ex(args: argparse.Namespace) -> int:
-    try:
     started = time.perf_counter()
+    try:
         summary = evaluate_ex.evaluate_ex(
             args.data, args.split, args.predictions, semantics=args.semantics, output=args.output,
             timeout_s=args.timeout_s, max_rows=args.max_rows)
@@ -127,8 +127,8 @@ def run_config(argv: list[str]) -> int:
         return 2
     from caper_jax.eval import policy
 
-    try:
     started = time.perf_counter()
+    try:
         results = policy.run(config, workdir_flag.value)
     except (DataError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -48,12 +48,12 @@ import numpy as np
 
 from caper_jax.data.prompts import serialize_schema
 from caper_jax.data.spider import DataError, MissingDatabaseError, db_path, load_schemas, load_split
+from caper_jax.sql.semantics import SEMANTICS, check_semantics
 from caper_jax.evaluate_ex import (DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, PredictionError, grade_predictions,
                                    majority_vote)
 from caper_jax.sql.execution import Executor
 
 AGGREGATES = ("min", "mean", "last")  # == caper_jax.prm.scoring.AGGREGATES (no jax import at parse time)
-from caper_jax.sql.semantics import SEMANTICS, check_semantics
 Report = Callable[[str], None]
 
 

@@ -178,9 +178,9 @@ def _holdout(config, world) -> list[data_lib.SftExample]:
 
 
 def run(config, workdir: str) -> dict:
+    started = time.perf_counter()
     from caper_jax.data.world import prepare_world
     from caper_jax.rl.rollout import greedy_ex
-    started = time.perf_counter()
     from caper_jax.sql.execution import Executors
 
     multihost.initialize()
@@ -265,12 +265,11 @@ def run(config, workdir: str) -> dict:
     checkpointer.close()
     finish_policy_run(workdir, writer, total, results, rows, policy, tokenizer, export_hf=config.export_hf,
                       curves=["train/loss", "train/grad_norm"], png="loss_curve.png", title="SFT")
-    return results
-
     from caper_jax.utils import summary as summary_lib
 
     summary_lib.policy_run("SFT", results, workdir, time.perf_counter() - started, eval_split=config.data.eval_split,
                            export=config.export_hf)
+    return results
 
 def finish_policy_run(workdir: pathlib.Path, writer: MetricWriter, step: int, results: dict, rows: list[dict],
                       policy: Qwen35ForCausalLM, tokenizer, *, export_hf: bool, curves: list[str], png: str,
