@@ -108,6 +108,21 @@ def test_majority_vote_under_spider_official_votes_on_distinct_free_results(conc
     assert chosen["spider_official"] == (candidates[0], {"n": 1, "first": 1.0, "vote": 1.0, "any": 1.0})
 
 
+def test_policy_evaluation_scores_under_spider_official_too(concert_singer):
+    """eval.policy.score_examples (the `evaluate --config` path) runs the same DISTINCT-free queries."""
+    from caper_jax.eval.policy import score_examples
+    from caper_jax.sft.data import SftExample
+    from caper_jax.sql.execution import Executors
+
+    examples = [SftExample(f"q{i}", "schema", gold, "concert_singer") for i, (gold, *_) in enumerate(PAIRS)]
+    greedy = [pred for _, pred, *_ in PAIRS]
+    with Executors(concert_singer / "database") as executors:
+        for semantics, column in (("spider", 2), ("spider_official", 3)):
+            metrics, rows = score_examples(examples, greedy, [[] for _ in PAIRS], executors, semantics=semantics)
+            assert [r["greedy_correct"] for r in rows] == [pair[column] for pair in PAIRS], semantics
+            assert metrics["greedy"] == pytest.approx(sum(pair[column] for pair in PAIRS) / len(PAIRS))
+
+
 def test_reader_of_published_prediction_files(tmp_path):
     examples = [Example("a", "q", "SELECT 1", index=0), Example("b", "q", "SELECT 2", index=1),
                 Example("c", "q", "SELECT 3", index=2)]

@@ -25,6 +25,8 @@ def run_train(*args: str, tmp_path) -> subprocess.CompletedProcess:
     (["--config=configs/prm.py", "--config.data.counterfactual_repeat=0"],
      "data.counterfactual_repeat=0 must be >= 1"),
     (["--config=configs/prm.py", "--config.mesh_shape.fsdp=3"], "mesh shape (1, 3, 1) needs 3 devices"),
+    (["--config=configs/prm.py", "--config.annotate.semantics=sets"],
+     "annotate.semantics='sets'; expected 'spider' or 'bird'"),
 ])
 def test_bad_config_is_one_clear_error(args, message, tmp_path):
     result = run_train(*args, tmp_path=tmp_path)
