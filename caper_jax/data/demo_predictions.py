@@ -18,6 +18,20 @@ while a text comparison with the gold now sees differences in clauses that are r
 keeps the rewrites (``surface``) and the gold in the same spelling (``surface_gold``), which
 differs from the prediction exactly where the errors are.
 
+Real failures also differ from gold *harmlessly* before the decisive error, in ways a text or even a
+canonical comparison sees: the SELECT columns in another order, a DISTINCT that cannot matter, a
+comma join with its condition in WHERE, a column the join condition makes equal to gold's,
+``COUNT(key)`` for ``COUNT(*)``. A share (``HARMLESS_SHARE``) of the wrong predictions gets one such
+difference (``HARMLESS_KINDS``), only in clauses written before the root clause, kept only if the
+gold with it returns the gold's result and the wrong query with it still fails: the root clause is
+still the error's (the annotator must see past the difference, as on real failures). The record
+names it in ``harmless``; ``surface_gold`` carries it too.
+
+And some failures are no error at all (``kind = "suspect"``, ``true_root_clause`` None, the reason
+in ``suspect``): a string literal in another letter case than the data (``literal_case``), or a
+number returned as text (``type``) -- what ``caper_jax.sql.suspects`` flags on real failures. (The
+demo golds never order ambiguously, so there is no ``tie`` kind here.)
+
 Clause names follow caper_jax.sql.clauses: SELECT, FROM (with JOINs), WHERE, GROUP BY, HAVING,
 ORDER BY, LIMIT of the first (or only) SELECT; in a compound query everything right of an
 operator belongs to the unit named after the operator (UNION, INTERSECT, EXCEPT). A mistake inside
@@ -49,7 +63,9 @@ _NUMERIC_OPS = (exp.GT, exp.GTE, exp.LT, exp.LTE, exp.EQ, exp.NEQ)
 _AGGREGATES = (exp.Avg, exp.Sum, exp.Min, exp.Max)
 _MAX_FILTER_VALUES = 60  # columns with more distinct values are not used for extra conditions
 
-PREDICTION_MIX = {"exact": 0.1, "surface": 0.2, "error": 0.5, "double_error": 0.2}
+PREDICTION_MIX = {"exact": 0.1, "surface": 0.2, "error": 0.45, "double_error": 0.2, "suspect": 0.05}
+# Share of error / double_error predictions given one harmless difference before the root clause.
+HARMLESS_SHARE = 0.4
 # Share of error / double_error predictions that are also respelled, and how many rewrites they get:
 # real predictions differ from gold on the surface too, not only where they are wrong.
 SURFACE_SHARE = 0.5
@@ -612,6 +628,141 @@ def _weighted_order(names: Sequence[str], rng: random.Random) -> list[str]:
     return sorted(names, key=lambda n: rng.random() ** (1 / SURFACE_WEIGHTS.get(n, 1.0)), reverse=True)
 
 
+# ----------------------------------------------------------------------------- harmless differences
+#
+# Each takes a tree and returns a changed copy (None: does not apply). Unlike a surface rewrite a
+# harmless difference changes what a clause says, not only how it is spelled, yet not the answer
+# (checked on SQLite for every prediction). Paired with the clauses it touches: it is used only in
+# front of a root clause written after all of them.
+
+def _outer(tree: exp.Expression) -> exp.Select | None:
+    return tree if isinstance(tree, exp.Select) else None
+
+
+def _column_order(tree: exp.Expression, info: SchemaInfo) -> exp.Expression | None:
+    """The outer SELECT's columns in another order (the comparison of results forgives it)."""
+    select = _outer(tree)
+    if select is None or len(select.expressions) < 2:
+        return None
+    copy = tree.copy()
+    expressions = copy.expressions
+    copy.set("expressions", expressions[1:] + expressions[:1])
+    return copy
+
+
+def _redundant_distinct(tree: exp.Expression, info: SchemaInfo) -> exp.Expression | None:
+    """DISTINCT on a SELECT whose GROUP BY keys it projects: its rows are distinct anyway."""
+    select = _outer(tree)
+    group = select.args.get("group") if select is not None else None
+    if group is None or select.args.get("distinct"):
+        return None
+    projected = {p.sql() for p in select.expressions}
+    if not all(g.sql() in projected for g in group.expressions):
+        return None
+    copy = tree.copy()
+    copy.set("distinct", exp.Distinct())
+    return copy
+
+
+def _count_key(tree: exp.Expression, info: SchemaInfo) -> exp.Expression | None:
+    """``COUNT(*)`` as ``COUNT(key)`` of the first table (a primary key: never NULL)."""
+    select = _outer(tree)
+    if select is None or select.args.get("from_") is None or not isinstance(select.args["from_"].this, exp.Table):
+        return None
+    first = select.args["from_"].this
+    keys = [c for c, k in info.columns.get(first.name, {}).items() if k == "id"]
+    if not keys or any(j.args.get("side") for j in select.args.get("joins") or []):
+        return None
+    copy = tree.copy()
+    counts = [c for c in copy.expressions if isinstance(c, exp.Count) and isinstance(c.this, exp.Star)]
+    if not counts:
+        return None
+    qualifier = first.alias_or_name if select.args.get("joins") else None
+    counts[0].set("this", exp.column(keys[0], table=qualifier))
+    return copy
+
+
+def _equated_column(tree: exp.Expression, info: SchemaInfo) -> exp.Expression | None:
+    """A SELECT column that an inner join's ``ON a = b`` makes equal to another, read from the other."""
+    select = _outer(tree)
+    joins = select.args.get("joins") if select is not None else None
+    if not joins or any(j.args.get("side") for j in joins):
+        return None
+    pairs = {}
+    for join in joins:
+        on = join.args.get("on")
+        if isinstance(on, exp.EQ) and isinstance(on.this, exp.Column) and isinstance(on.expression, exp.Column):
+            pairs[on.this.sql()] = on.expression
+            pairs[on.expression.sql()] = on.this
+    copy = tree.copy()
+    for projection in copy.expressions:
+        if isinstance(projection, exp.Column) and projection.sql() in pairs:
+            projection.replace(pairs[projection.sql()].copy())
+            return copy
+    return None
+
+
+def _comma_join(tree: exp.Expression, info: SchemaInfo) -> exp.Expression | None:
+    """``FROM a JOIN b ON c`` as ``FROM a, b WHERE c``."""
+    select = _outer(tree)
+    joins = select.args.get("joins") if select is not None else None
+    if not joins or any(j.args.get("side") or j.args.get("on") is None for j in joins):
+        return None
+    copy = tree.copy()
+    conditions = []
+    for join in copy.args["joins"]:
+        conditions.append(join.args["on"])
+        join.set("on", None)
+        join.set("kind", None)          # renders as a comma
+    where = copy.args.get("where")
+    if where is not None:
+        conditions.append(where.this)
+    condition = conditions[0]
+    for other in conditions[1:]:
+        condition = exp.And(this=condition, expression=other)
+    copy.set("where", exp.Where(this=condition))
+    return copy
+
+
+HARMLESS_KINDS: dict[str, tuple[TreeRewrite, tuple[str, ...]]] = {
+    "column_order": (_column_order, ("SELECT",)), "redundant_distinct": (_redundant_distinct, ("SELECT",)),
+    "count_key": (_count_key, ("SELECT",)), "equated_column": (_equated_column, ("SELECT",)),
+    "comma_join": (_comma_join, ("FROM", "WHERE"))}
+
+
+def _literal_case(tree: exp.Expression, rng: random.Random) -> exp.Expression | None:
+    """A string literal compared with ``=`` in another letter case."""
+    copy = tree.copy()
+    literals = [l for l in copy.find_all(exp.Literal) if l.is_string and isinstance(l.parent, exp.EQ)
+                and any(ch.isalpha() for ch in l.this)]
+    if not literals:
+        return None
+    literal = rng.choice(literals)
+    spellings = {literal.this.upper(), literal.this.lower(), literal.this.title()} - {literal.this}
+    if not spellings:
+        return None
+    literal.replace(exp.Literal.string(rng.choice(sorted(spellings))))
+    return copy
+
+
+def _number_as_text(tree: exp.Expression, rng: random.Random) -> exp.Expression | None:
+    """A numeric output column returned as text (``CAST(x AS TEXT)``): equal values, other type."""
+    select = _outer(tree)
+    if select is None:
+        return None
+    copy = tree.copy()
+    candidates = [p for p in copy.expressions if isinstance(p, (exp.Count, exp.Sum, exp.Max, exp.Min))]
+    if not candidates:
+        return None
+    node = rng.choice(candidates)
+    node.replace(exp.Cast(this=node.copy(), to=exp.DataType.build("TEXT")))
+    return copy
+
+
+SUSPECT_KINDS: dict[str, Callable[[exp.Expression, random.Random], "exp.Expression | None"]] = {
+    "literal_case": _literal_case, "type": _number_as_text}
+
+
 # ----------------------------------------------------------------------------- predictions
 
 @dataclasses.dataclass(frozen=True)
@@ -623,6 +774,8 @@ class Prediction:
     errors: tuple[dict, ...]
     surface: tuple[str, ...]   # surface rewrites in the prediction (SURFACE_KINDS names)
     surface_gold: str          # the gold spelled with the same rewrites: the prediction minus its errors
+    harmless: tuple[str, ...] = ()   # harmless differences before the root (HARMLESS_KINDS names)
+    suspect: str | None = None       # kind "suspect": why it fails without an error
 
 
 class Predictor:
@@ -651,7 +804,8 @@ class Predictor:
         ordered = has_order_by(tree)
         # Fall back along double -> single -> surface -> exact when a query admits no such variant.
         fallbacks = {"double_error": ["double_error", "error", "surface", "exact"],
-                     "error": ["error", "surface", "exact"], "surface": ["surface", "exact"], "exact": ["exact"]}
+                     "error": ["error", "surface", "exact"], "surface": ["surface", "exact"], "exact": ["exact"],
+                     "suspect": ["suspect", "error", "surface", "exact"]}
         for attempt in fallbacks[kind]:
             made = getattr(self, f"_{attempt}")(tree, gold, gold_rows, ordered, rng)
             if made is not None:
@@ -712,24 +866,72 @@ class Predictor:
 
     def _wrong(self, tree: exp.Expression, gold: str, gold_rows: Rows, ordered: bool, kind: str,
                edits: list[Edit], pred: str, rng: random.Random) -> Prediction:
-        """A verified wrong prediction; with probability ``surface_share`` also in another spelling."""
+        """A verified wrong prediction; with probability ``HARMLESS_SHARE`` with one harmless difference
+        before its root clause, with probability ``surface_share`` also in another spelling."""
+        gold_tree, wrong_tree = tree, apply_edits(tree, edits)
+        harmless: tuple[str, ...] = ()
+        if rng.random() < HARMLESS_SHARE:
+            made = self._harmless(tree, wrong_tree, edits[0].clause, gold_rows, ordered, rng)
+            if made is not None:
+                harmless, gold_tree, wrong_tree = made
+                gold, pred = render(gold_tree), render(wrong_tree)
         surface, surface_gold = (), gold
         if rng.random() < self.surface_share:
-            surface, surface_gold, pred = self._respell(tree, gold, gold_rows, ordered, edits, pred, rng)
+            blocked = {"qualification"} if any(e.kind == "wrong_table" for e in edits) else set()
+            surface, surface_gold, pred = self._respell(gold_tree, wrong_tree, gold, gold_rows, ordered,
+                                                        blocked, pred, rng)
         errors = tuple({"kind": e.kind, "clause": e.clause} for e in edits)
         return Prediction(pred, kind, "+".join(e.kind for e in edits), edits[0].clause, errors, surface,
-                          surface_gold)
+                          surface_gold, harmless)
 
-    def _respell(self, tree: exp.Expression, gold: str, gold_rows: Rows, ordered: bool, edits: list[Edit],
-                 pred: str, rng: random.Random) -> tuple[tuple[str, ...], str, str]:
+    def _harmless(self, tree: exp.Expression, wrong: exp.Expression, root: str, gold_rows: Rows, ordered: bool,
+                  rng: random.Random) -> tuple[tuple[str], exp.Expression, exp.Expression] | None:
+        """One harmless difference in clauses before ``root``, applied to the gold and the wrong
+        query alike: kept if the gold keeps its result and the wrong query still fails."""
+        wrong_rows = execute(self.conn, render(wrong))
+        for name in rng.sample(list(HARMLESS_KINDS), len(HARMLESS_KINDS)):
+            rewrite, touched = HARMLESS_KINDS[name]
+            if not all(clause_rank(tree, root) > clause_rank(tree, c) for c in touched if c in CLAUSE_ORDER):
+                continue
+            new_gold, new_wrong = rewrite(tree, self.info), rewrite(wrong, self.info)
+            if new_gold is None or new_wrong is None or render(new_gold) == render(tree):
+                continue
+            try:
+                rows_gold = execute(self.conn, render(new_gold))
+                rows_wrong = execute(self.conn, render(new_wrong))
+            except sqlite3.Error:
+                continue
+            if (same_result(gold_rows, rows_gold, ordered=ordered)
+                    and not same_result(gold_rows, rows_wrong, ordered=ordered)
+                    and same_result(wrong_rows, rows_wrong, ordered=ordered)):
+                return (name,), new_gold, new_wrong
+        return None
+
+    def _suspect(self, tree: exp.Expression, gold: str, gold_rows: Rows, ordered: bool,
+                 rng: random.Random) -> Prediction | None:
+        """A failure that is no error: a literal in another case than the data, or a number as text."""
+        for name in rng.sample(list(SUSPECT_KINDS), len(SUSPECT_KINDS)):
+            changed = SUSPECT_KINDS[name](tree, rng)
+            if changed is None:
+                continue
+            pred = render(changed)
+            try:
+                rows = execute(self.conn, pred)
+            except sqlite3.Error:
+                continue
+            if pred != gold and not same_result(gold_rows, rows, ordered=ordered):
+                return Prediction(pred, "suspect", f"suspect:{name}", None, (), (), gold, (), name)
+        return None
+
+    def _respell(self, gold_tree: exp.Expression, wrong: exp.Expression, gold: str, gold_rows: Rows,
+                 ordered: bool, blocked: set[str], pred: str, rng: random.Random) -> tuple[tuple[str, ...], str, str]:
         """(rewrites, gold respelled, prediction respelled): up to a drawn number of surface rewrites,
         each kept only if it changes the gold's text and leaves both the gold's and the prediction's
-        result exactly as they were -- so the error, and where it is, stay the same."""
-        wrong = apply_edits(tree, edits)
+        result exactly as they were -- so the error, and where it is, stay the same. ``blocked``:
+        rewrites not to use (a wrong table copied into qualifiers would make SELECT, written
+        before FROM, differ as well)."""
         pred_rows = execute(self.conn, pred)
         count = rng.choices(list(SURFACE_COUNT_WEIGHTS), weights=list(SURFACE_COUNT_WEIGHTS.values()))[0]
-        # A wrong table copied into qualifiers would make SELECT, written before FROM, differ as well.
-        blocked = {"qualification"} if any(e.kind == "wrong_table" for e in edits) else set()
         chosen: tuple[str, ...] = ()
         for name in _weighted_order(SURFACE_KINDS, rng):
             if len(chosen) == count:
@@ -737,7 +939,7 @@ class Predictor:
             if name in blocked or (name in _NAMING and _NAMING & set(chosen)):
                 continue
             names = chosen + (name,)
-            new_gold, new_pred = rewrite_surface(tree, names, self.info), rewrite_surface(wrong, names, self.info)
+            new_gold, new_pred = rewrite_surface(gold_tree, names, self.info), rewrite_surface(wrong, names, self.info)
             if new_gold is None or new_pred is None or new_gold == gold:
                 continue
             if self._result_equal(new_gold, gold_rows, ordered) and self._result_equal(new_pred, pred_rows, ordered):

@@ -33,7 +33,7 @@ from caper_jax.data.demo_templates import SPLITS, TEMPLATES, NoValue, Slots, Tem
 
 DEFAULT_TRAIN_SIZE = 1500
 DEFAULT_DEV_SIZE = 300
-BUILD_VERSION = 5  # bump when the generator changes, so cached builds are rebuilt
+BUILD_VERSION = 6  # bump when the generator changes, so cached builds are rebuilt
 _A_BEFORE_VOWEL = re.compile(r"\b([Aa]) (?=[AEIOUaeiou])")  # templates write "a {noun}"; "an airline"
 _MAX_CONSECUTIVE_FAILURES = 40  # a (template, database) pair is retired after this many misses in a row
 
@@ -142,6 +142,7 @@ def make_predictions(databases: dict[str, Database], examples: list[dict], seed:
             "gold": example["query"], "pred": made.pred, "kind": made.kind,
             "true_root_clause": made.true_root_clause, "error_kind": made.error_kind,
             "errors": list(made.errors), "surface": list(made.surface), "surface_gold": made.surface_gold,
+            "harmless": list(made.harmless), "suspect": made.suspect,
             "template_id": example["template_id"],
         })
     return records
