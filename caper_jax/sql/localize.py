@@ -41,6 +41,7 @@ from caper_jax.sql.canonical import (AnySchema, Canonical, ClauseSlot, LabelledN
 from caper_jax.sql.clauses import COMPOUND_NAMES, ClauseUnit, SqlParseError, compound_name, split_clauses
 from caper_jax.sql.edit_script import EditScript, edit_script
 from caper_jax.sql.execution import ExecResult, Executor, order_matters, results_equal
+from caper_jax.sql.schema import Schema
 from caper_jax.sql.suspects import suspect_reason, tie_equivalent, type_only
 
 
@@ -161,7 +162,7 @@ def localize_failed(gold_sql: str, pred_sql: str, schema: AnySchema | None,
         walk = _Walk(canonical_root(gold_slots, pred_slots, divergent), (), None, "canonical_fallback:no_executor")
     else:
         walk = _verified_walk(gold, pred, gold_slots, pred_slots, divergent, executor, gold_result,
-                              order_matters(gold_sql), semantics)
+                              order_matters(gold_sql), semantics, schema)
         if walk.reason.startswith("canonical_fallback") and rules:
             # A rule can make the prediction's clause name a table gold's FROM lacks (an equated
             # column's representative): walk the plain canonical forms, whose hybrids verify the
@@ -174,7 +175,7 @@ def localize_failed(gold_sql: str, pred_sql: str, schema: AnySchema | None,
             if plain_divergent:
                 plain = _verified_walk(plain_gold, plain_pred, plain_gold_slots, plain_pred_slots,
                                        plain_divergent, executor, gold_result, order_matters(gold_sql),
-                                       semantics)
+                                       semantics, schema)
                 if plain.reason == "verified":
                     walk = dataclasses.replace(plain, reason="verified:without_rules")
                     gold, pred, gold_slots, pred_slots = plain_gold, plain_pred, plain_gold_slots, plain_pred_slots
@@ -228,7 +229,8 @@ class _Walk:
 
 
 def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, divergent: list[Position],
-                   executor, gold_result: ExecResult, ordered: bool, semantics: str) -> _Walk:
+                   executor, gold_result: ExecResult, ordered: bool, semantics: str,
+                   schema: AnySchema | None = None) -> _Walk:
     """Rule 3 of the module docstring: keep each divergent clause whose hybrid gives gold's result."""
     kept: list[Position] = []
     verified: exp.Expression | None = None
@@ -242,6 +244,8 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
         # with the clauses after it, until a hybrid runs.
         for j in range(i, len(divergent) - 1):
             hybrid = _repair_all(pred.tree, gold.tree, divergent[j + 1:])
+            if hybrid is not None and isinstance(schema, Schema):
+                hybrid = _rehome(hybrid, schema)
             result = executor.execute(hybrid.sql(dialect=canon.DIALECT)) if hybrid is not None else None
             if result is not None and result.ok:
                 break
@@ -265,6 +269,53 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
         root = canonical_root(gold_slots, pred_slots, divergent[i:j + 1])
         return _Walk(root, tuple(kept), verified, "canonical_fallback:hybrid_fails")
     raise AssertionError("unreachable: the last divergent clause is always the root")
+
+
+def _rehome(tree: exp.Expression, schema: Schema) -> exp.Expression:
+    """Columns of the outer query whose table is not in its FROM, read from a table that is.
+
+    A hybrid keeps the prediction's earlier clause with gold's FROM; a column of a table only the
+    prediction joined is then read where gold's FROM holds the same value -- the one table there
+    with a column of that name, else the one column a foreign key ties to it -- as a reader would
+    rewrite the prediction's clause into gold's scope ("columns are judged by what they denote").
+    A column with no such unique home is left as it is (the hybrid then does not run).
+    """
+    select = tree
+    while isinstance(select, exp.SetOperation):
+        select = select.this
+    if not isinstance(select, exp.Select):
+        return tree
+    instances = {}
+    for source in ([select.args["from_"].this] if select.args.get("from_") else []) + \
+            [j.this for j in select.args.get("joins") or []]:
+        if isinstance(source, exp.Table):
+            instances[source.alias_or_name] = source.name
+    for column in list(select.find_all(exp.Column)):
+        if (not column.table or column.table in instances or isinstance(column.this, exp.Star)
+                or column.find_ancestor(exp.Select) is not select):
+            continue
+        home = _home(column, instances, schema)
+        if home is not None:
+            column.set("table", exp.to_identifier(home[0]))
+            column.set("this", exp.to_identifier(home[1]))
+    return tree
+
+
+def _home(column: exp.Column, instances: dict[str, str], schema: Schema) -> tuple[str, str] | None:
+    name = column.name.lower()
+    same = [alias for alias, table in instances.items()
+            if schema.has_table(table) and schema.column(table, name) is not None]
+    if len(same) == 1:
+        return same[0], name
+    table = re.sub(r"_\d+$", "", column.table) if not schema.has_table(column.table) else column.table
+    linked = set()
+    for fk in schema.foreign_keys:
+        ends = [((fk.table.lower(), fk.column.lower()), (fk.ref_table.lower(), fk.ref_column.lower()))]
+        ends.append(ends[0][::-1])
+        for (t, c), (rt, rc) in ends:
+            if (t, c) == (table.lower(), name):
+                linked |= {(alias, rc) for alias, real in instances.items() if real.lower() == rt}
+    return linked.pop() if len(linked) == 1 else None
 
 
 def _corrected(walk: _Walk, gold: Canonical, pred: Canonical, pred_sql: str, repaired: list[Position],
