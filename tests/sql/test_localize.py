@@ -236,3 +236,14 @@ def test_suspect_failures_give_no_tuples_by_default(spider, tmp_path):
     assert kept.tuples and kept.tuples_by_kind == {"suspect:literal_case": len(kept.tuples)}
     wrong = Annotator(spider / "database")({**record, "pred": "SELECT name FROM singer WHERE country = 'Netherlands'"})
     assert wrong.tuples and wrong.negatives_by_kind == {"counterfactual": 1}
+
+
+def test_a_column_of_a_table_gold_lacks_is_read_where_gold_holds_it(db):
+    # The prediction reads singer_id through an extra join with singer; kept with gold's FROM
+    # (singer_in_concert alone) the column is read from there: SELECT and FROM are harmless.
+    gold = "SELECT singer_id FROM singer_in_concert WHERE concert_id = 1"
+    pred = ("SELECT T1.singer_id FROM singer AS T1 JOIN singer_in_concert AS T2 ON T1.singer_id = T2.singer_id "
+            "WHERE T2.concert_id = 2")
+    result = run(db, gold, pred)
+    assert (result.root_clause, result.harmless, result.reason) == ("WHERE", ("SELECT", "FROM"), "verified")
+    assert run(db, gold, pred, verify=False).root_clause == "FROM"
