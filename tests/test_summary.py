@@ -52,7 +52,8 @@ def test_policy_summary_greedy_ex_and_how_training_moved(tmp_path):
     text = summary.policy_run("GRPO (clause)", results, tmp_path, 12.0, stream=io.StringIO())
     assert "GRPO (clause) run finished in 12.0 s" in text
     assert "held-out dev (40 questions)" in text and "30.0 %" in text and "90.0 %" in text
-    assert "rollout EX (sampled groups): first logged step 25.0 %, last 37.5 %" in text
+    assert "rollout EX (sampled groups): 25.0 % (step 1) -> 37.5 % (step 2)" in text
+    assert "mean reward: -0.5000 (step 1)\n" in text + "\n"   # logged once
     text = summary.policy_run("SFT", {"steps": 3}, tmp_path / "none", 1.0, stream=io.StringIO())
     assert "no end-of-run EX" in text and "checkpoint" not in text
 

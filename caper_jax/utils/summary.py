@@ -105,10 +105,11 @@ def latest_checkpoint(workdir: str | pathlib.Path) -> pathlib.Path | None:
     return max(steps, key=lambda p: int(p.name)) if steps else None
 
 
-def _first_last(workdir: pathlib.Path, key: str) -> tuple[float, float] | None:
+def _first_last(workdir: pathlib.Path, key: str) -> list[tuple[int, float]]:
+    """(step, value) of ``key`` at its first and last logged step (one pair if logged once)."""
     path = workdir / "metrics.jsonl"
     if not path.is_file():
-        return None
+        return []
     values = []
     for line in path.read_text().splitlines():
         try:
@@ -116,8 +117,8 @@ def _first_last(workdir: pathlib.Path, key: str) -> tuple[float, float] | None:
         except json.JSONDecodeError:
             continue
         if isinstance(row.get(key), (int, float)):
-            values.append(float(row[key]))
-    return (values[0], values[-1]) if values else None
+            values.append((int(row.get("step", 0)), float(row[key])))
+    return values[:1] + values[-1:] if len(values) > 1 else values
 
 
 # -- the runs
@@ -162,14 +163,14 @@ def policy_run(kind: str, results: Mapping, workdir: str | pathlib.Path, seconds
     if "eval/greedy_ex" in results:
         table = [[f"held-out {eval_split} ({results.get('eval/n')} questions)", "greedy EX", "executable"],
                  ["policy after training", pct(results["eval/greedy_ex"]), pct(results.get("eval/executable"))]]
-    lines = [] if table else ["no end-of-run EX (eval.num_examples = 0): "
-                              "python -m caper_jax.evaluate --config=configs/eval.py evaluates this run"]
+    lines = [] if table else ["no end-of-run EX (eval.num_examples = 0); "
+                              "python -m caper_jax.evaluate --config=configs/eval.py evaluates a policy workdir"]
     for key, label, as_pct in (("rollout/ex", "rollout EX (sampled groups)", True),
                                ("rollout/reward_mean", "mean reward", False), ("train/loss", "train loss", False)):
-        moved = _first_last(workdir, key)
-        if moved is not None:
-            first, last = (pct(v) if as_pct else f"{v:.4f}" for v in moved)
-            lines.append(f"{label}: first logged step {first}, last {last}")
+        logged = _first_last(workdir, key)
+        if logged:
+            lines.append(f"{label}: " + " -> ".join(f"{pct(v) if as_pct else f'{v:.4f}'} (step {step})"
+                                                     for step, v in logged))
             if kind == "SFT":
                 break
     return finish(f"{kind} run", seconds=seconds, where=workdir, table=table, lines=lines,
