@@ -162,7 +162,7 @@ def localize_failed(gold_sql: str, pred_sql: str, schema: AnySchema | None,
         walk = _Walk(canonical_root(gold_slots, pred_slots, divergent), (), None, "canonical_fallback:no_executor")
     else:
         walk = _verified_walk(gold, pred, gold_slots, pred_slots, divergent, executor, gold_result,
-                              order_matters(gold_sql), semantics, schema)
+                              order_matters(gold_sql), semantics, schema, pred_result)
         if walk.reason.startswith("canonical_fallback") and rules:
             # A rule can make the prediction's clause name a table gold's FROM lacks (an equated
             # column's representative): walk the plain canonical forms, whose hybrids verify the
@@ -175,7 +175,7 @@ def localize_failed(gold_sql: str, pred_sql: str, schema: AnySchema | None,
             if plain_divergent:
                 plain = _verified_walk(plain_gold, plain_pred, plain_gold_slots, plain_pred_slots,
                                        plain_divergent, executor, gold_result, order_matters(gold_sql),
-                                       semantics, schema)
+                                       semantics, schema, pred_result)
                 if plain.reason == "verified":
                     walk = dataclasses.replace(plain, reason="verified:without_rules")
                     gold, pred, gold_slots, pred_slots = plain_gold, plain_pred, plain_gold_slots, plain_pred_slots
@@ -230,7 +230,7 @@ class _Walk:
 
 def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, divergent: list[Position],
                    executor, gold_result: ExecResult, ordered: bool, semantics: str,
-                   schema: AnySchema | None = None) -> _Walk:
+                   schema: AnySchema | None = None, pred_result: ExecResult | None = None) -> _Walk:
     """Rule 3 of the module docstring: keep each divergent clause whose hybrid gives gold's result."""
     kept: list[Position] = []
     verified: exp.Expression | None = None
@@ -262,6 +262,14 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
             verified = hybrid
             i = j + 1
             continue
+        if j == i and position == Position("SELECT"):
+            distinct_only = _distinct_cannot_matter(hybrid, gold, pred, executor, gold_result, pred_result,
+                                                    semantics, ordered)
+            if distinct_only is not None:
+                kept.append(position)
+                verified = distinct_only
+                i += 1
+                continue
         if j == i:
             return _Walk(position, tuple(kept), verified, "verified")
         # Kept together the clauses change the answer, alone they do not run: which of them is
@@ -269,6 +277,42 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
         root = canonical_root(gold_slots, pred_slots, divergent[i:j + 1])
         return _Walk(root, tuple(kept), verified, "canonical_fallback:hybrid_fails")
     raise AssertionError("unreachable: the last divergent clause is always the root")
+
+
+def _first_select(tree: exp.Expression) -> exp.Expression:
+    while isinstance(tree, exp.SetOperation):
+        tree = tree.this
+    return tree
+
+
+def _distinct_cannot_matter(hybrid: exp.Expression, gold: Canonical, pred: Canonical, executor,
+                            gold_result: ExecResult, pred_result: ExecResult | None, semantics: str,
+                            ordered: bool) -> exp.Expression | None:
+    """A SELECT that differs from gold's answer only by its DISTINCT, where that DISTINCT cannot
+    matter on the prediction's own query: the hybrid with gold's DISTINCT gives gold's answer, and
+    the rows the prediction's FROM and GROUP BY make for its SELECT hold no duplicates (WHERE,
+    HAVING, ORDER BY and LIMIT left out). Duplicates come from joins; gold's joins are not the
+    prediction's. Returns that hybrid."""
+    pred_distinct = _first_select(pred.tree).args.get("distinct")
+    gold_distinct = _first_select(gold.tree).args.get("distinct")
+    if bool(pred_distinct) == bool(gold_distinct) or pred_result is None or not pred_result.ok:
+        return None
+    with_gold = hybrid.copy()
+    _first_select(with_gold).set("distinct", gold_distinct.copy() if gold_distinct else None)
+    result = executor.execute(with_gold.sql(dialect=canon.DIALECT))
+    if not _same_answer(gold.tree, gold_result, result, executor, semantics, ordered):
+        return None
+    # The prediction's own rows as its FROM (and GROUP BY) make them, before any filter: a filter
+    # or LIMIT that happens to leave no duplicate proves nothing about the DISTINCT.
+    if not isinstance(pred.tree, exp.Select):
+        return None
+    own_query = pred.tree.copy()
+    for key in ("distinct", "where", "having", "order", "limit", "offset"):
+        own_query.set(key, None)
+    own = executor.execute(own_query.sql(dialect=canon.DIALECT))
+    if not own.ok:
+        return None
+    return with_gold if len(set(own.rows)) == len(own.rows) else None
 
 
 def _rehome(tree: exp.Expression, schema: Schema) -> exp.Expression:

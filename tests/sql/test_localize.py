@@ -247,3 +247,17 @@ def test_a_column_of_a_table_gold_lacks_is_read_where_gold_holds_it(db):
     result = run(db, gold, pred)
     assert (result.root_clause, result.harmless, result.reason) == ("WHERE", ("SELECT", "FROM"), "verified")
     assert run(db, gold, pred, verify=False).root_clause == "FROM"
+
+
+def test_a_missing_distinct_is_judged_on_the_predictions_own_rows(db):
+    gold = ("SELECT DISTINCT T1.name FROM singer AS T1 JOIN singer_in_concert AS T2 ON T1.singer_id = T2.singer_id "
+            "WHERE T1.age > 30")
+    # One table, no duplicates: the DISTINCT gold needs for its join cannot matter here. The
+    # prediction's FROM, which lacks the join its IN-subquery stands for, is blamed instead.
+    single = "SELECT name FROM singer WHERE singer_id IN (SELECT singer_id FROM singer_in_concert) AND age > 40"
+    result = run(db, gold, single)
+    assert (result.root_clause, result.harmless, result.reason) == ("FROM", ("SELECT",), "verified")
+    # The prediction's own join repeats singers (one row per concert): the missing DISTINCT is the error.
+    joined = ("SELECT T1.name FROM singer AS T1 JOIN singer_in_concert AS T2 ON T1.singer_id = T2.singer_id "
+              "WHERE T1.age > 40")
+    assert run(db, gold, joined).root_clause == "SELECT"
