@@ -44,3 +44,17 @@ def test_fast_verifier_runs_every_stage(tmp_path):
     assert stored["model"]["init_from"] == str(out / "sft") and stored["annotate"]["candidate_contrasts"]
     md = (out / "results.md").read_text()
     assert "| MV@6 |" in md and "(picked on train)" in md and "| oracle@6 |" in md
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config.data.systems=('nope.sql',)"], "data.systems: 'nope.sql' is not in"),
+    (["--config.data.spider_dir=/nonexistent"], "data.spider_dir='/nonexistent' is not a directory"),
+    (["--config.eval.sampling.k=1"], "eval.sampling.k must be >= 2"),
+    (["--config.prm.model.preset=big"], "prm: model.preset='big'"),
+])
+def test_bad_verifier_config_is_one_clear_error(args, message, tmp_path):
+    from tests.test_train_cli import run_train
+
+    result = run_train("--config=configs/spider_verifier.py", *args, tmp_path=tmp_path)
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "w").exists()
