@@ -199,6 +199,7 @@ def read_failures(data_dir: str | os.PathLike, split: str, predictions: str | os
     from caper_jax.sql.clauses import SqlParseError, split_clauses
     from caper_jax.sql.localize import GoldError, localize
     from caper_jax.sql.schema import Schema
+    from caper_jax.prm.evaluation import with_baseline_inputs
 
     report = report or _stderr
     examples: list = []
@@ -252,9 +253,11 @@ def read_failures(data_dir: str | os.PathLike, split: str, predictions: str | os
                 except SqlParseError:
                     skipped["unparseable"] += 1  # no clauses to rank
                     continue
-                rows.append({"question": record["question"], "schema": databases.schema(record["db_id"]),
-                             "sql": record["pred"], "root": root, "root_source": source,
-                             "pred_units": pred_units, "gold_units": gold_units})
+                row = {"question": record["question"], "schema": databases.schema(record["db_id"]),
+                       "sql": record["pred"], "root": root, "root_source": source,
+                       "pred_units": pred_units, "gold_units": gold_units}
+                # Lines carrying "samples" / "clause_logprob" also get the gold-free baselines.
+                rows.append(with_baseline_inputs(row, record, schemas.get(record["db_id"])))
     finally:
         databases.close()
     return rows, dict(skipped)
