@@ -9,21 +9,36 @@ Rule, in order:
    first clause whose text differs from gold's (whitespace- and case-insensitive); with no
    difference, SELECT. ``root_node`` is the offending token where sqlglot names one.
 3. **Parses** (whether or not SQLite runs it): both queries are canonicalised
-   (``caper_jax.sql.canonical``) and compared clause by clause in written order; the first
-   position whose canonical forms differ -- including a clause present on one side only -- is the
-   divergent clause -- except that a clause differing only in the tables its columns name is
-   passed over when FROM differs (qualification copies a wrong FROM table into SELECT, which is
-   written first; the FROM is the cause). The *corrected query* is the prediction's canonical AST with that clause
-   replaced by gold's (inserted when the prediction lacks it, removed when gold lacks it), so it
-   shares the prediction's prefix. The minimum-cost edit script from the predicted clause tree to
-   the corrected one gives v* (``caper_jax.sql.edit_script``) and propagation gives clause rewards.
-   A prediction that lacks the clause has no node to blame: ``root_node`` is None and the missing
-   clause itself gets reward -alpha. If no canonical clause differs (mostly SQL that sqlglot
-   accepts and SQLite rejects as a syntax error), rule 2's textual fallback applies.
+   (``caper_jax.sql.canonical``, with the equivalence rules of ``caper_jax.sql.equivalences``)
+   and their clause positions aligned in written order; the *divergent* positions are those whose
+   canonical forms differ (a clause present on one side only included). The root is the first
+   *decisive* one, verified by execution: walking the divergent positions in order, the *hybrid*
+   of position d keeps the prediction's clauses up to d and repairs every later divergent clause
+   to gold's; if it executes to gold's answer (``_same_answer``: ``results_equal``, or equal up to
+   the types of equal values, or another break of the ties of gold's ORDER BY) d is harmless and
+   kept, else d is the root (``reason="verified"``). A hybrid that does not run is retried keeping
+   the next divergent clauses too; where none runs (a join rewritten as a subquery, scopes that do
+   not line up), the canonical comparison decides among the clauses left
+   (``"canonical_fallback:hybrid_fails"``): the first of them -- except that a clause differing
+   only in the tables its columns name is passed over when FROM differs (qualification copies a
+   wrong FROM table into SELECT, which is written first; the FROM is the cause). Without an
+   executor, the canonical comparison alone (``"canonical_fallback:no_executor"``).
+   docs/annotation.md section 2 states the rule in full.
 
-The corrected query is returned as text in the prediction's own spelling: the prediction with the
-divergent clause's span replaced by the corrected clause, rendered with the prediction's table
-aliases. Both sides therefore share their text up to the divergent clause.
+   The *corrected query* is the prediction's canonical AST with the root and every later
+   divergent clause repaired to gold's (inserted when the prediction lacks it, removed when gold
+   lacks it), the harmless ones before it kept; it executes to gold's answer
+   (``corrected_verified``). The minimum-cost edit script from the predicted root clause to gold's
+   gives v* (``caper_jax.sql.edit_script``) and propagation gives clause rewards. A prediction that
+   lacks the clause has no node to blame: ``root_node`` is None and the missing clause itself gets
+   reward -alpha. If no canonical clause differs (mostly SQL that sqlglot accepts and SQLite
+   rejects as a syntax error), rule 2's textual fallback applies.
+4. **Suspect**: every failure also gets ``suspect`` (``caper_jax.sql.suspects``): None, or why
+   it may answer the question all the same (``tie``, ``type``, ``literal_case``).
+
+The corrected query is returned as text in the prediction's own spelling where that runs to gold's
+answer: the prediction with the repaired clauses' spans replaced, rendered with the prediction's
+table aliases. Both sides then share their text up to the root clause.
 """
 from __future__ import annotations
 
