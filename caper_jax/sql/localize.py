@@ -264,6 +264,9 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
             result = executor.execute(hybrid.sql(dialect=canon.DIALECT)) if hybrid is not None else None
             if result is not None and result.ok:
                 break
+            if result is not None and result.error_kind in ("timeout", "too_many_rows"):
+                result = None       # a runaway hybrid: do not try bigger ones, each as slow
+                break
         else:
             j = len(divergent) - 1
             hybrid = result = None

@@ -261,3 +261,17 @@ def test_a_missing_distinct_is_judged_on_the_predictions_own_rows(db):
     joined = ("SELECT T1.name FROM singer AS T1 JOIN singer_in_concert AS T2 ON T1.singer_id = T2.singer_id "
               "WHERE T1.age > 40")
     assert run(db, gold, joined).root_clause == "SELECT"
+
+
+def test_a_runaway_prediction_is_localised_in_bounded_time(spider):
+    import time
+    path = spider / "database" / "concert_singer" / "concert_singer.sqlite"
+    gold = "SELECT name FROM singer WHERE age > 30"
+    pred = ("WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM r) "
+            "SELECT name FROM singer AS T1 JOIN r ON T1.age > r.x WHERE T1.age > 40")
+    with Executor(path, timeout_s=0.3) as executor:
+        start = time.monotonic()
+        result = localize(gold, pred, executor, Schema.from_sqlite(path))
+        elapsed = time.monotonic() - start
+    assert not result.correct and result.pred_error_kind in ("timeout", "too_many_rows")
+    assert result.root_clause in ("WITH", "FROM") and elapsed < 5.0, (result, elapsed)
