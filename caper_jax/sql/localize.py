@@ -196,7 +196,7 @@ def localize_failed(gold_sql: str, pred_sql: str, schema: AnySchema | None,
                     gold, pred, gold_slots, pred_slots = plain_gold, plain_pred, plain_gold_slots, plain_pred_slots
                     divergent = plain_divergent
     position = walk.root
-    repaired = [p for p in divergent if position_rank(p) >= position_rank(position)]
+    repaired = [p for p in divergent if position_rank(p) >= position_rank(position) or p in walk.repair_also]
     corrected, verified = _corrected(walk, gold, pred, pred_sql, repaired, executor, gold_result,
                                      order_matters(gold_sql), semantics)
     found = _counterfactual(position, gold, pred, gold_slots.get(position), pred_slots.get(position),
@@ -241,6 +241,7 @@ class _Walk:
     kept: tuple[Position, ...]               # divergent clauses shown harmless, before the root
     corrected: exp.Expression | None         # a corrected tree already verified, if any
     reason: str
+    repair_also: tuple[Position, ...] = ()   # kept clauses the corrected query repairs too
 
 
 def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, divergent: list[Position],
@@ -248,19 +249,20 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
                    schema: AnySchema | None = None, pred_result: ExecResult | None = None) -> _Walk:
     """Rule 3 of the module docstring: keep each divergent clause whose hybrid gives gold's result."""
     kept: list[Position] = []
+    also: list[Position] = []           # kept clauses the corrected query repairs all the same
     verified: exp.Expression | None = None
     i = 0
     while i < len(divergent):
         position = divergent[i]
         if i == len(divergent) - 1:     # keeping every divergent clause is the prediction itself
-            return _Walk(position, tuple(kept), verified, "verified")
+            return _Walk(position, tuple(kept), verified, "verified", tuple(also))
         # The hybrid keeps divergent[i..j] and repairs the rest. A prediction's clause that does
         # not fit gold's later clauses (it names a table gold's FROM lacks, ...) is tried together
         # with the clauses after it, until a hybrid runs.
         for j in range(i, len(divergent) - 1):
             hybrid = _repair_all(pred.tree, gold.tree, divergent[j + 1:])
             if hybrid is not None and isinstance(schema, Schema):
-                hybrid = _rehome(hybrid, schema)
+                hybrid = _rehome(hybrid, schema, _join_equalities(pred.tree))
             result = executor.execute(hybrid.sql(dialect=canon.DIALECT)) if hybrid is not None else None
             if result is not None and result.ok:
                 break
@@ -274,7 +276,7 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
             # No hybrid that keeps this clause runs (a join rewritten as a subquery, scopes that
             # do not line up): the canonical comparison decides among the clauses left.
             root = canonical_root(gold_slots, pred_slots, divergent[i:])
-            return _Walk(root, tuple(kept), verified, "canonical_fallback:hybrid_fails")
+            return _Walk(root, tuple(kept), verified, "canonical_fallback:hybrid_fails", tuple(also))
         if _same_answer(gold.tree, gold_result, result, executor, semantics, ordered):
             kept.extend(divergent[i:j + 1])
             verified = hybrid
@@ -288,12 +290,22 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
                 verified = distinct_only
                 i += 1
                 continue
+        if (j == i and Position("FROM") in divergent[i + 1:]
+                and position_rank(position) < position_rank(Position("FROM"))
+                and not _differs(gold_slots.get(position), pred_slots.get(position), qualifiers=False)):
+            # The clause names gold's columns, read from the prediction's tables: a wrong FROM,
+            # copied into it by qualification, is the cause (canonical_root's exception).
+            kept.append(position)
+            also.append(position)
+            verified = None     # the corrected query repairs this clause too
+            i += 1
+            continue
         if j == i:
-            return _Walk(position, tuple(kept), verified, "verified")
+            return _Walk(position, tuple(kept), verified, "verified", tuple(also))
         # Kept together the clauses change the answer, alone they do not run: which of them is
         # to blame is the canonical comparison's call.
         root = canonical_root(gold_slots, pred_slots, divergent[i:j + 1])
-        return _Walk(root, tuple(kept), verified, "canonical_fallback:hybrid_fails")
+        return _Walk(root, tuple(kept), verified, "canonical_fallback:hybrid_fails", tuple(also))
     raise AssertionError("unreachable: the last divergent clause is always the root")
 
 
@@ -333,14 +345,30 @@ def _distinct_cannot_matter(hybrid: exp.Expression, gold: Canonical, pred: Canon
     return with_gold if len(set(own.rows)) == len(own.rows) else None
 
 
-def _rehome(tree: exp.Expression, schema: Schema) -> exp.Expression:
+def _join_equalities(tree: exp.Expression) -> dict[tuple[str, str], set[tuple[str, str]]]:
+    """(table, column) -> the columns the outer query's join conditions equate it with."""
+    out: dict[tuple[str, str], set[tuple[str, str]]] = {}
+    select = _first_select(tree)
+    for join in select.args.get("joins") or [] if isinstance(select, exp.Select) else []:
+        on = join.args.get("on")
+        for eq_ in (on.find_all(exp.EQ) if on is not None else []):
+            a, b = eq_.this, eq_.expression
+            if isinstance(a, exp.Column) and isinstance(b, exp.Column) and a.table and b.table:
+                out.setdefault((a.table, a.name), set()).add((b.table, b.name))
+                out.setdefault((b.table, b.name), set()).add((a.table, a.name))
+    return out
+
+
+def _rehome(tree: exp.Expression, schema: Schema,
+            equated: dict[tuple[str, str], set[tuple[str, str]]] | None = None) -> exp.Expression:
     """Columns of the outer query whose table is not in its FROM, read from a table that is.
 
     A hybrid keeps the prediction's earlier clause with gold's FROM; a column of a table only the
-    prediction joined is then read where gold's FROM holds the same value -- the one table there
-    with a column of that name, else the one column a foreign key ties to it -- as a reader would
-    rewrite the prediction's clause into gold's scope ("columns are judged by what they denote").
-    A column with no such unique home is left as it is (the hybrid then does not run).
+    prediction joined is then read where gold's FROM holds the same value -- the column the
+    prediction's own join condition equates it with, else the one table there with a column of
+    that name, else the one column a foreign key ties to it -- as a reader would rewrite the
+    prediction's clause into gold's scope ("columns are judged by what they denote"). A column
+    with no such unique home is left as it is (the hybrid then does not run).
     """
     select = tree
     while isinstance(select, exp.SetOperation):
@@ -356,15 +384,19 @@ def _rehome(tree: exp.Expression, schema: Schema) -> exp.Expression:
         if (not column.table or column.table in instances or isinstance(column.this, exp.Star)
                 or column.find_ancestor(exp.Select) is not select):
             continue
-        home = _home(column, instances, schema)
+        home = _home(column, instances, schema, equated or {})
         if home is not None:
             column.set("table", exp.to_identifier(home[0]))
             column.set("this", exp.to_identifier(home[1]))
     return tree
 
 
-def _home(column: exp.Column, instances: dict[str, str], schema: Schema) -> tuple[str, str] | None:
+def _home(column: exp.Column, instances: dict[str, str], schema: Schema,
+          equated: dict[tuple[str, str], set[tuple[str, str]]]) -> tuple[str, str] | None:
     name = column.name.lower()
+    joined = {ref for ref in equated.get((column.table, column.name), ()) if ref[0] in instances}
+    if len(joined) == 1:
+        return joined.pop()
     same = [alias for alias, table in instances.items()
             if schema.has_table(table) and schema.column(table, name) is not None]
     if len(same) == 1:
