@@ -276,6 +276,11 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
             # No hybrid that keeps this clause runs (a join rewritten as a subquery, scopes that
             # do not line up): the canonical comparison decides among the clauses left.
             root = canonical_root(gold_slots, pred_slots, divergent[i:])
+            restructured = _restructured_root(root, gold, pred, divergent[i:], executor, gold_result,
+                                              semantics, ordered, schema)
+            if restructured is not None:
+                return _Walk(restructured, tuple(kept), None, "verified:restructured",
+                             tuple(also) + (Position("FROM"),))
             return _Walk(root, tuple(kept), verified, "canonical_fallback:hybrid_fails", tuple(also))
         if _same_answer(gold.tree, gold_result, result, executor, semantics, ordered):
             kept.extend(divergent[i:j + 1])
@@ -305,8 +310,54 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
         # Kept together the clauses change the answer, alone they do not run: which of them is
         # to blame is the canonical comparison's call.
         root = canonical_root(gold_slots, pred_slots, divergent[i:j + 1])
+        restructured = _restructured_root(root, gold, pred, divergent[i:], executor, gold_result,
+                                          semantics, ordered, schema)
+        if restructured is not None:
+            return _Walk(restructured, tuple(kept), None, "verified:restructured",
+                         tuple(also) + (Position("FROM"),))
         return _Walk(root, tuple(kept), verified, "canonical_fallback:hybrid_fails", tuple(also))
     raise AssertionError("unreachable: the last divergent clause is always the root")
+
+
+def _restructured_root(root: Position, gold: Canonical, pred: Canonical, left: list[Position], executor,
+                       gold_result: ExecResult, semantics: str, ordered: bool, schema) -> Position | None:
+    """The root when the prediction's FROM cannot be judged alone because it reads a table of
+    gold's FROM elsewhere (a join written as an IN-subquery, or the reverse).
+
+    Only when the canonical comparison would blame FROM, the prediction's FROM joins only tables
+    of gold's FROM, and the prediction reads every table of gold's FROM somewhere: then its WHERE and HAVING, where such subqueries live, are tried
+    alone -- the prediction's clause kept, every other divergent clause (FROM included) gold's.
+    The first whose query does not give gold's answer is the root; if each gives it, FROM is
+    (and the corrected query repairs FROM too). None where a query does not
+    run (the canonical comparison stands).
+    """
+    from_position = Position("FROM")
+    if root != from_position or from_position not in left:
+        return None
+    gold_from = _first_select(gold.tree)
+    sources = ([gold_from.args["from_"].this] if gold_from.args.get("from_") else []) + \
+        [j.this for j in gold_from.args.get("joins") or []]
+    gold_tables = {t.name.lower() for t in sources if isinstance(t, exp.Table)}
+    pred_from = _first_select(pred.tree)
+    pred_sources = ([pred_from.args["from_"].this] if pred_from.args.get("from_") else []) + \
+        [j.this for j in pred_from.args.get("joins") or []]
+    pred_tables = {t.name.lower() for t in pred.tree.find_all(exp.Table)}
+    if not gold_tables or not gold_tables <= pred_tables:
+        return None         # the prediction never reads a table gold joins: its FROM lacks it
+    if not all(isinstance(t, exp.Table) and t.name.lower() in gold_tables for t in pred_sources):
+        return None         # its FROM joins what gold's does not: not a restructuring
+    for position in [p for p in left if p.name in ("WHERE", "HAVING")]:
+        hybrid = _repair_all(pred.tree, gold.tree, [p for p in left if p != position])
+        if hybrid is None:
+            return None
+        if isinstance(schema, Schema):
+            hybrid = _rehome(hybrid, schema, _join_equalities(pred.tree))
+        result = executor.execute(hybrid.sql(dialect=canon.DIALECT))
+        if not result.ok:
+            return None
+        if not _same_answer(gold.tree, gold_result, result, executor, semantics, ordered):
+            return position
+    return from_position
 
 
 def _first_select(tree: exp.Expression) -> exp.Expression:

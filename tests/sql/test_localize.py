@@ -179,13 +179,19 @@ def test_corrected_query_keeps_the_harmless_prefix_and_repairs_every_later_diffe
     assert result.corrected_verified
 
 
-def test_join_rewritten_as_subquery_falls_back_to_the_canonical_comparison(db):
+def test_join_rewritten_as_subquery_is_judged_by_its_where(db):
     gold = ("SELECT T2.name FROM concert AS T1 JOIN stadium AS T2 ON T1.stadium_id = T2.stadium_id "
             "WHERE T1.year = 2014")
-    pred = "SELECT name FROM stadium WHERE stadium_id IN (SELECT stadium_id FROM concert WHERE year = 2015)"
-    result = run(db, gold, pred)
-    # keeping the prediction's FROM (stadium alone) with gold's WHERE (concert.year) cannot run
-    assert result.reason == "canonical_fallback:hybrid_fails" and result.root_clause == "FROM"
+    # Keeping the prediction's FROM (stadium alone) with gold's WHERE (concert.year) cannot run;
+    # the prediction reads concert in its IN-subquery, so its WHERE is tried with gold's FROM.
+    wrong_year = "SELECT name FROM stadium WHERE stadium_id IN (SELECT stadium_id FROM concert WHERE year = 2015)"
+    result = run(db, gold, wrong_year)
+    assert (result.reason, result.root_clause) == ("verified:restructured", "WHERE")
+    assert result.corrected_verified
+    # A FROM that lacks the table gold's WHERE needs, read nowhere else: FROM, by the canonical rule.
+    missing = "SELECT name FROM stadium WHERE capacity > 5000"
+    result = run(db, gold, missing)
+    assert (result.reason, result.root_clause) == ("canonical_fallback:hybrid_fails", "FROM")
 
 
 def test_equivalence_rules_can_be_switched_off(db):
