@@ -201,6 +201,11 @@ def run_build(config: ConfigDict, beam_options: str | None = None) -> dict[str, 
               f"sources {s.get('sources', {})}; errors {s.get('errors', {})}")
         for kind, y in s.get("yield_by_kind", {}).items():
             print(f"    {kind:16s} negatives {y['negatives']:6d}  tuples {y['tuples']:6d}")
+        suspects = {k.split(":", 1)[1]: y["negatives"] for k, y in s.get("yield_by_kind", {}).items()
+                    if k.startswith("suspect:")}
+        if suspects:    # failures that may answer the question (docs/annotation.md section 2a)
+            print(f"    suspect failures by reason {suspects}"
+                  f"{'' if settings.suspect_tuples else ' (no tuples: suspect_tuples=False)'}")
     return summary
 
 
