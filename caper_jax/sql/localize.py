@@ -47,7 +47,7 @@ import re
 from collections.abc import Sequence
 
 from sqlglot import exp
-from sqlglot.errors import ParseError
+from sqlglot.errors import ParseError, SqlglotError
 
 from caper_jax.sql import canonical as canon
 from caper_jax.sql import equivalences, propagation
@@ -263,7 +263,7 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
             hybrid = _repair_all(pred.tree, gold.tree, divergent[j + 1:])
             if hybrid is not None and isinstance(schema, Schema):
                 hybrid = _rehome(hybrid, schema, _join_equalities(pred.tree))
-            result = executor.execute(hybrid.sql(dialect=canon.DIALECT)) if hybrid is not None else None
+            result = _run(executor, hybrid) if hybrid is not None else None
             if result is not None and result.ok:
                 break
             if result is not None and result.error_kind in ("timeout", "too_many_rows"):
@@ -352,12 +352,21 @@ def _restructured_root(root: Position, gold: Canonical, pred: Canonical, left: l
             return None
         if isinstance(schema, Schema):
             hybrid = _rehome(hybrid, schema, _join_equalities(pred.tree))
-        result = executor.execute(hybrid.sql(dialect=canon.DIALECT))
+        result = _run(executor, hybrid)
         if not result.ok:
             return None
         if not _same_answer(gold.tree, gold_result, result, executor, semantics, ordered):
             return position
     return from_position
+
+
+def _run(executor, tree: exp.Expression) -> ExecResult:
+    """Executes a built query; one sqlglot cannot render counts as SQL that does not parse."""
+    try:
+        sql = tree.sql(dialect=canon.DIALECT)
+    except SqlglotError as e:
+        return ExecResult(error_kind="parse", error=f"cannot render: {e}")
+    return executor.execute(sql)
 
 
 def _first_select(tree: exp.Expression) -> exp.Expression:
@@ -380,7 +389,7 @@ def _distinct_cannot_matter(hybrid: exp.Expression, gold: Canonical, pred: Canon
         return None
     with_gold = hybrid.copy()
     _first_select(with_gold).set("distinct", gold_distinct.copy() if gold_distinct else None)
-    result = executor.execute(with_gold.sql(dialect=canon.DIALECT))
+    result = _run(executor, with_gold)
     if not _same_answer(gold.tree, gold_result, result, executor, semantics, ordered):
         return None
     # The prediction's own rows as its FROM (and GROUP BY) make them, before any filter: a filter
@@ -390,7 +399,7 @@ def _distinct_cannot_matter(hybrid: exp.Expression, gold: Canonical, pred: Canon
     own_query = pred.tree.copy()
     for key in ("distinct", "where", "having", "order", "limit", "offset"):
         own_query.set(key, None)
-    own = executor.execute(own_query.sql(dialect=canon.DIALECT))
+    own = _run(executor, own_query)
     if not own.ok:
         return None
     return with_gold if len(set(own.rows)) == len(own.rows) else None
