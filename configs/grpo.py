@@ -96,6 +96,8 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.optim.b1 = 0.9
     c.optim.b2 = 0.99
     c.optim.grad_clip = 1.0
+    c.optim.mu_dtype = "float32"              # AdamW moment storage: float32 | bfloat16 (docs/scale.md "Fitting 16 GiB")
+    c.optim.nu_dtype = "float32"
     c.optim.max_consecutive_nonfinite = 10
 
     c.eval = ConfigDict()

@@ -1,6 +1,8 @@
 """Optimizer state and update shared by the SFT, PRM and GRPO trainers.
 
 AdamW (weight decay on matrices only) after global-norm clipping, on a warmup + cosine schedule;
+the moments are stored in ``optim.mu_dtype`` / ``optim.nu_dtype`` (default float32; bfloat16 halves
+their memory — the update itself is computed in fp32 either way, docs/scale.md "Fitting 16 GiB");
 ``guarded_update`` applies an update only when the loss and the gradient are finite, and counts the
 refusals in a row so each trainer's host loop can stop a run that keeps producing them.
 """
@@ -41,13 +43,49 @@ def learning_rate(optim) -> optax.Schedule:
         decay_steps=max(optim.total_steps, optim.warmup_steps + 1), end_value=0.1 * optim.lr)
 
 
+MOMENT_DTYPES = ("float32", "bfloat16")
+
+
+def moment_dtypes(optim) -> tuple[str, str]:
+    """(mu_dtype, nu_dtype) of an optim config; configs without the fields get float32."""
+    get = optim.get if hasattr(optim, "get") else lambda key, default: getattr(optim, key, default)
+    dtypes = (str(get("mu_dtype", "float32")), str(get("nu_dtype", "float32")))
+    for name, value in zip(("mu_dtype", "nu_dtype"), dtypes):
+        if value not in MOMENT_DTYPES:
+            raise ValueError(f"optim.{name}={value!r}; expected one of {MOMENT_DTYPES}")
+    return dtypes
+
+
+def scale_by_adam(b1: float, b2: float, mu_dtype: str = "float32", nu_dtype: str = "float32"
+                  ) -> optax.GradientTransformation:
+    """optax's ``scale_by_adam`` with both moments stored in the given dtypes.
+
+    optax has ``mu_dtype`` only; its update already casts ``nu`` back to the dtype the state holds
+    (``cast_like``), so a ``nu`` initialised in bfloat16 stays bfloat16. Moments are updated and
+    bias-corrected in fp32 (bf16 moments are promoted by the fp32 gradient) and rounded to nearest
+    when stored. Same state structure (``ScaleByAdamState``) as optax's, only the leaf dtypes differ.
+    """
+    inner = optax.scale_by_adam(b1=b1, b2=b2, mu_dtype=None if mu_dtype == "float32" else jnp.dtype(mu_dtype))
+    if nu_dtype == "float32":
+        return inner
+
+    def init(params):
+        state = inner.init(params)
+        return state._replace(nu=jax.tree.map(lambda x: x.astype(nu_dtype), state.nu))
+
+    return optax.GradientTransformation(init, inner.update)
+
+
 def make_optimizer(optim) -> optax.GradientTransformation:
-    """AdamW on the ``learning_rate`` schedule, after global-norm clipping."""
-    return optax.chain(
-        optax.clip_by_global_norm(optim.grad_clip),
-        optax.adamw(learning_rate(optim), b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay,
-                    mask=decay_mask),
+    """AdamW on the ``learning_rate`` schedule, after global-norm clipping; moments in
+    ``moment_dtypes(optim)``. The state tree is optax.adamw's (same nesting), whatever the dtypes."""
+    mu_dtype, nu_dtype = moment_dtypes(optim)
+    adamw = optax.chain(
+        scale_by_adam(optim.b1, optim.b2, mu_dtype, nu_dtype),
+        optax.add_decayed_weights(optim.weight_decay, decay_mask),
+        optax.scale_by_learning_rate(learning_rate(optim)),
     )
+    return optax.chain(optax.clip_by_global_norm(optim.grad_clip), adamw)
 
 
 def init_state(params: Any, tx: optax.GradientTransformation) -> TrainState:
