@@ -19,7 +19,7 @@ from typing import Any
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 LAYER_KINDS = (LINEAR_ATTENTION, FULL_ATTENTION)
-REMAT_POLICIES = ("none", "full", "dots")
+REMAT_POLICIES = ("none", "full", "dots", "layers")
 DTYPES = ("float32", "bfloat16", "float16")
 
 # HF fields we read; anything architectural outside this set that would change the maths is
@@ -69,7 +69,7 @@ class Qwen35Config:
     # Run-time options (not part of a checkpoint).
     dtype: str = "float32"        # activations / matmul inputs; norms, gates, DeltaNet state stay fp32
     param_dtype: str = "float32"  # storage dtype of the parameters
-    remat: str = "none"           # per layer group: none | full | dots (save matmul outputs)
+    remat: str = "none"           # none | full | dots (save matmul outputs), per layer group | layers (save layer inputs only)
     chunk_size: int = 64          # gated-delta-rule chunk length
 
     def __post_init__(self) -> None:

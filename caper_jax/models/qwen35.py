@@ -7,7 +7,10 @@ A faithful port of transformers' `modeling_qwen3_5.py` (text part), shaped for s
   (leading `layers` axis), so the 9B model compiles one group, not 32 layers. The scan body
   re-merges one group's parameter slices into the same modules (`nnx.split` / `nnx.merge`), so
   every module's code reads like an unstacked layer.
-* Rematerialisation per group: `config.remat` = none | full | dots (save matmul outputs).
+* Rematerialisation per group: `config.remat` = none | full | dots (save matmul outputs) | layers
+  (save only each layer's input; each layer is checkpointed and consecutive layers of one kind are
+  scanned inside the group, so the backward holds one layer's FSDP-gathered weights, gradients and
+  intermediates at a time; docs/scale.md "Fitting a 16 GiB chip").
 * Precision: matmuls in `config.dtype`; RMSNorms, gates (sigmoid / SiLU of z), the DeltaNet decay
   and recurrent state in fp32 (as transformers does); logits returned in fp32.
 * Every parameter carries logical axis names (`out_sharding` metadata; names listed in
@@ -34,6 +37,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 
 from caper_jax.models.config import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config
@@ -334,10 +338,25 @@ def positions_from_mask(valid: Array, segment_ids: Array | None = None) -> Array
     return jnp.maximum(count - base - 1, 0)
 
 
+def _kind_runs(period: Sequence[str]) -> list[list[int]]:
+    """Positions of the period grouped into runs of consecutive equal layer kinds ([[0, 1, 2], [3]])."""
+    runs: list[list[int]] = []
+    for j, kind in enumerate(period):
+        if runs and period[runs[-1][-1]] == kind:
+            runs[-1].append(j)
+        else:
+            runs.append([j])
+    return runs
+
+
+LAYER_INPUT = "layer_input"  # checkpoint_name of each layer's input under remat="layers"
+
+
 def _remat(fn: Callable, policy: str) -> Callable:
     if policy == "none":
         return fn
-    saveable = None if policy == "full" else jax.checkpoint_policies.checkpoint_dots
+    saveable = {"dots": jax.checkpoint_policies.checkpoint_dots,
+                "layers": jax.checkpoint_policies.save_only_these_names(LAYER_INPUT)}.get(policy)  # full: None
     return jax.checkpoint(fn, policy=saveable, prevent_cse=False)
 
 
@@ -375,9 +394,30 @@ class Qwen35ForCausalLM(nnx.Module):
     def _layer_stack(self, h: Array, ctx: _Context, caches: tuple[dict, ...] | None) -> tuple[Array, tuple | None]:
         graphdef, params = nnx.split(self.layers)
 
+        per_layer = self.config.remat == "layers" and caches is None
+        runs = _kind_runs(self.config.period)
+
+        def one_layer(layer_def):
+            def apply(state, h):
+                return nnx.merge(layer_def, state)(h, ctx, None)[0]
+            checkpointed = jax.checkpoint(apply, prevent_cse=False)
+            return lambda state, h: checkpointed(state, checkpoint_name(h, LAYER_INPUT))
+
         def group(h: Array, xs: tuple[Any, Any]) -> tuple[Array, Any]:
             group_params, group_caches = xs
             layers = nnx.merge(graphdef, group_params)
+            if per_layer:
+                # remat="layers": each layer checkpointed, and a run of consecutive layers of one kind
+                # (Qwen3.5: the 3 DeltaNet layers) scanned, so XLA gathers one layer's FSDP weights
+                # and reduces one layer's gradients at a time instead of the whole group's.
+                for run in runs:
+                    layer_def, first = nnx.split(layers[run[0]])
+                    if len(run) == 1:
+                        h = one_layer(layer_def)(first, h)
+                        continue
+                    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layers[j]) for j in run])
+                    h, _ = jax.lax.scan(lambda h, state: (one_layer(layer_def)(state, h), None), h, stacked)
+                return h, None
             new_caches = []
             for j, layer in enumerate(layers):
                 h, cache = layer(h, ctx, None if group_caches is None else group_caches[j])

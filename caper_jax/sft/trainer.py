@@ -141,8 +141,10 @@ def validate(config) -> None:
         raise ValueError(f"data.kind={config.data.kind!r}; expected 'demo' or 'spider'")
     if config.model.preset not in PRESETS and not config.model.hf_dir:
         raise ValueError(f"model.preset={config.model.preset!r}; expected one of {PRESETS} or model.hf_dir")
-    if config.model.remat not in ("none", "full", "dots"):
-        raise ValueError(f"model.remat={config.model.remat!r}; expected none, full or dots")
+    from caper_jax.models.config import REMAT_POLICIES
+
+    if config.model.remat not in REMAT_POLICIES:
+        raise ValueError(f"model.remat={config.model.remat!r}; expected one of {REMAT_POLICIES}")
     buckets = tuple(config.data.bucket_lengths)
     if list(buckets) != sorted(set(buckets)) or buckets[-1] > config.data.max_len:
         raise ValueError(f"data.bucket_lengths={buckets} must be increasing and <= data.max_len")
@@ -270,6 +272,7 @@ def run(config, workdir: str) -> dict:
     summary_lib.policy_run("SFT", results, workdir, time.perf_counter() - started, eval_split=config.data.eval_split,
                            export=config.export_hf)
     return results
+
 
 def finish_policy_run(workdir: pathlib.Path, writer: MetricWriter, step: int, results: dict, rows: list[dict],
                       policy: Qwen35ForCausalLM, tokenizer, *, export_hf: bool, curves: list[str], png: str,
