@@ -41,6 +41,8 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._common import start_load_check  # noqa: E402
+
 import sqlglot  # noqa: E402
 
 from caper_jax.data.published_predictions import failures as real_failures  # noqa: E402
@@ -215,6 +217,7 @@ def main() -> None:
     parser.add_argument("--no-real", dest="real", action="store_false",
                         help="skip localisation of the published systems' real failures")
     args = parser.parse_args()
+    load = start_load_check(own=max(args.workers))   # one busy core per worker process
 
     work = load_work(args.data)
     compiled = sqlglot_compiled()
@@ -264,9 +267,12 @@ def main() -> None:
         verified = real.get(f"verified_{args.workers[0]}")
         if verified:
             print(f"reasons {verified['reasons']}; suspects {verified['suspects']}")
-    print(f"load average at end={os.getloadavg()[0]:.2f}")
+    load.finish()
+    for w, r in runs.items():   # the same-run ratios, marked when the machine was not quiet
+        print(f"annotation / floor, {w} worker(s): per tuple {load.mark(format(r['x_floor_per_tuple'], '.2f'))}x, "
+              f"per gold query {load.mark(format(r['x_floor_per_query'], '.2f'))}x")
     print(json.dumps({"floor": best_floor, "runs": runs, "real": real, "compiled": compiled,
-                      "repeats": args.repeats}))
+                      "repeats": args.repeats, "load": load.as_dict()}))
 
 
 if __name__ == "__main__":

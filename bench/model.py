@@ -17,6 +17,10 @@ greedy-token agreement as a check).
     the train step's matmul FLOPs (counted on its jaxpr) divided by it is the step's floor.
 
     python bench/model.py            # about 2-3 minutes on 2 cores
+
+The load average is printed at start and end; a run on a machine that was not quiet (bench/_common.py:
+1-min load above half the cores at start, or above this benchmark's threads + half the cores at end)
+prints its ratios with "LOADED (not comparable)" after them.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._common import start_load_check  # noqa: E402
 from caper_jax.models import Qwen35Config, from_hf  # noqa: E402
 from caper_jax.models.sampler import SamplingConfig, generate  # noqa: E402
 from caper_jax.parallel.dry_run import jaxpr_matmul_flops  # noqa: E402
@@ -166,7 +171,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
 
-    load_before = os.getloadavg()[0]
+    load = start_load_check(own=args.threads)   # JAX and PyTorch both keep every thread busy
     rates = gemm_rate(2048, 5)
     with tempfile.TemporaryDirectory() as tmp:
         torch_model, jax_model = build_models(tmp, seed=0)
@@ -178,18 +183,21 @@ def main() -> None:
 
     peak = max(rates.values())
     floor_s = train["matmul_flops"] / (peak * 1e9)
+    load.finish()
+    mark = load.mark
     print(f"jax {jax.__version__} / torch {torch.__version__}, {args.threads} threads, "
           f"{os.cpu_count()} CPUs, {n_params / 1e6:.1f}M params, fp32; "
-          f"load average at start {load_before:.1f}, at end {os.getloadavg()[0]:.1f}")
+          f"load average at start {load.start[0]:.2f}, at end {load.end[0]:.2f}")
     print(f"fp32 GEMM 2048^3: jax {rates['jax']:.0f} GFLOP/s, torch {rates['torch']:.0f} GFLOP/s")
     print(f"train 4x512 fwd+bwd: jax {train['jax_s']:.3f} s, torch {train['torch_s']:.3f} s, "
-          f"ratio jax/torch {train['jax_s'] / train['torch_s']:.2f} (target <= 0.6); process CPU s: "
+          f"ratio jax/torch {mark(format(train['jax_s'] / train['torch_s'], '.2f'))} (target <= 0.6); process CPU s: "
           f"jax {train['jax_cpu_s']:.2f}, torch {train['torch_cpu_s']:.2f}; "
           f"jax compile {train['jax_compile_s']:.1f} s; |loss diff| {train['loss_diff']:.2e}")
     print(f"train roofline: {train['matmul_flops'] / 1e9:.1f} GFLOP matmul -> floor {floor_s:.3f} s at "
-          f"{peak:.0f} GFLOP/s; jax at {floor_s / train['jax_s']:.0%} of it, torch at {floor_s / train['torch_s']:.0%}")
+          f"{peak:.0f} GFLOP/s; jax at {mark(format(floor_s / train['jax_s'], '.0%'))} of it, "
+          f"torch at {mark(format(floor_s / train['torch_s'], '.0%'))}")
     print(f"greedy decode 8x{args.new_tokens}: jax {decode['jax_tok_s']:.0f} tok/s, torch "
-          f"{decode['torch_tok_s']:.0f} tok/s, ratio {decode['jax_tok_s'] / decode['torch_tok_s']:.2f} "
+          f"{decode['torch_tok_s']:.0f} tok/s, ratio {mark(format(decode['jax_tok_s'] / decode['torch_tok_s'], '.2f'))} "
           f"(target >= 3); process CPU s: jax {decode['jax_cpu_s']:.2f}, torch {decode['torch_cpu_s']:.2f}; "
           f"jax compile {decode['jax_compile_s']:.1f} s; greedy token agreement "
           f"{decode['token_agreement']:.1%}")
