@@ -12,6 +12,8 @@ drops 1.0 B parameters (16 GB of fp32 param + grad + Adam state) that the real P
 
     python bench/dry_run_9b.py --devices 8              # 8-way FSDP, the ≤ 40 GiB/device target
     python bench/dry_run_9b.py --devices 16             # 16-way FSDP, a v5e chip has 16 GiB
+    python bench/dry_run_9b.py --devices 16 --remat layers --mu_dtype bfloat16 --nu_dtype bfloat16
+                                                        # the levers that fit it (docs/scale.md)
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seqs_per_device", type=int, default=1, help="sequences per device per step")
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--positions", type=int, default=8, help="clause boundaries scored per sequence")
-    parser.add_argument("--remat", default="full", choices=("none", "full", "dots"))
+    parser.add_argument("--remat", default="full", choices=("none", "full", "dots", "layers"),
+                        help="model.remat: layers = full per group + each layer checkpointed again")
+    parser.add_argument("--mu_dtype", default="float32", choices=("float32", "bfloat16"), help="optim.mu_dtype")
+    parser.add_argument("--nu_dtype", default="float32", choices=("float32", "bfloat16"), help="optim.nu_dtype")
+    parser.add_argument("--json", action="store_true", help="also print the report as one JSON line")
     parser.add_argument("--layers", type=int, default=32, help="fewer layers for a quick check")
     parser.add_argument("--cast", default="none", choices=("matrices", "none"),
                         help="cast 2-D weights to bf16 once per step, before the layer scan (see module doc)")
@@ -42,9 +48,16 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._common import start_load_check  # noqa: E402
+
+LOAD = start_load_check(own=1)  # compiling keeps about one core busy
+
+import json  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from ml_collections import ConfigDict  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
@@ -53,6 +66,7 @@ from caper_jax.parallel.dry_run import report  # noqa: E402
 from caper_jax.parallel.mesh import make_mesh  # noqa: E402
 from caper_jax.parallel.rules import DEFAULT_RULES, abstract_state, logical_to_spec  # noqa: E402
 from caper_jax.prm.loss import PairLossConfig, pairwise_loss  # noqa: E402
+from caper_jax.utils.optim import make_optimizer  # noqa: E402
 
 
 class PrmLike(nnx.Module):
@@ -104,7 +118,9 @@ def main() -> None:
         dtype="bfloat16", param_dtype="float32", remat=ARGS.remat, tie_word_embeddings=True,
         **({} if layer_types is None else {"num_hidden_layers": ARGS.layers, "layer_types": layer_types}),
     )
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5, b1=0.9, b2=0.95, weight_decay=0.01))
+    # The PRM trainer's optimizer (caper_jax/utils/optim.py) with configs/prm.py's 9B settings.
+    tx = make_optimizer(ConfigDict(dict(lr=1e-5, warmup_steps=30, total_steps=2000, weight_decay=0.01, b1=0.9,
+                                        b2=0.95, grad_clip=1.0, mu_dtype=ARGS.mu_dtype, nu_dtype=ARGS.nu_dtype)))
     loss_config = PairLossConfig()
     graphdef, abstract = abstract_state(
         lambda: TrainState(PrmLike(config, mesh, rules, nnx.Rngs(0)), tx), mesh, rules
@@ -149,7 +165,8 @@ def main() -> None:
     )
     print(f"Qwen3.5-9B PRM step: {ARGS.layers} layers, batch {batch_size} x {ARGS.seq_len} "
           f"({ARGS.seqs_per_device}/device), {k} scored positions/sequence, remat={ARGS.remat}, "
-          f"fp32 params + bf16 compute (weight cast: {ARGS.cast}), AdamW; rule overrides {ARGS.rule or 'none'}")
+          f"fp32 params + bf16 compute (weight cast: {ARGS.cast}), AdamW moments mu {ARGS.mu_dtype} / nu "
+          f"{ARGS.nu_dtype}; rule overrides {ARGS.rule or 'none'}")
     result = report(step, (abstract, batch), mesh, params=abstract.model)
     tokens = batch_size * ARGS.seq_len
     # Reference point: 6·N per token for forward + backward, 8·N with a rematerialised forward, where
@@ -157,6 +174,10 @@ def main() -> None:
     dense = result["params"] - config.vocab_size * config.hidden_size
     print(f"matmul FLOPs per token {result['matmul_flops'] / tokens:.4e}; non-embedding N = {dense:,}: "
           f"6N = {6 * dense:.4e}, 8N = {8 * dense:.4e}")
+    LOAD.finish()
+    if ARGS.json:
+        print(json.dumps({"args": vars(ARGS), **{k: v for k, v in result.items() if k != "output_shardings"},
+                          "load": LOAD.as_dict()}))
 
 
 if __name__ == "__main__":

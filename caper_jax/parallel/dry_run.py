@@ -59,12 +59,12 @@ def _conv_flops(eqn: jcore.JaxprEqn) -> float:
     return 2.0 * out_elems * window * rhs[rhs_spec[1]]
 
 
-def _sub_jaxprs(eqn: jcore.JaxprEqn) -> list[tuple[jcore.Jaxpr, float]]:
+def _sub_jaxprs(eqn: jcore.JaxprEqn, while_trips: float = 1.0) -> list[tuple[jcore.Jaxpr, float]]:
     """(jaxpr, times it runs) for every sub-program of a higher-order primitive."""
     name = eqn.primitive.name
     if name == "cond":
         return []  # handled by the caller: the most expensive branch
-    multiplier = float(eqn.params["length"]) if name == "scan" else 1.0
+    multiplier = float(eqn.params["length"]) if name == "scan" else while_trips if name == "while" else 1.0
     subs = []
     for value in eqn.params.values():
         for item in value if isinstance(value, (tuple, list)) else (value,):
@@ -75,8 +75,9 @@ def _sub_jaxprs(eqn: jcore.JaxprEqn) -> list[tuple[jcore.Jaxpr, float]]:
     return subs
 
 
-def jaxpr_matmul_flops(jaxpr: jcore.Jaxpr) -> float:
-    """Matmul + convolution FLOPs of a jaxpr, scan bodies × length, while bodies × 1."""
+def jaxpr_matmul_flops(jaxpr: jcore.Jaxpr, while_trips: float = 1.0) -> float:
+    """Matmul + convolution FLOPs of a jaxpr, scan bodies × length, while bodies × ``while_trips``
+    (the trip count is not in the jaxpr; e.g. the sampler's decode loop runs max_new_tokens - 1 times)."""
     total = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
@@ -85,9 +86,20 @@ def jaxpr_matmul_flops(jaxpr: jcore.Jaxpr) -> float:
         elif name == "conv_general_dilated":
             total += _conv_flops(eqn)
         elif name == "cond":
-            total += max(jaxpr_matmul_flops(b.jaxpr) for b in eqn.params["branches"])
+            total += max(jaxpr_matmul_flops(b.jaxpr, while_trips) for b in eqn.params["branches"])
         else:
-            total += sum(k * jaxpr_matmul_flops(sub) for sub, k in _sub_jaxprs(eqn))
+            total += sum(k * jaxpr_matmul_flops(sub, while_trips) for sub, k in _sub_jaxprs(eqn, while_trips))
+    return total
+
+
+def device_bytes(tree: Any) -> int:
+    """Bytes one device holds of ``tree``'s arrays / ShapeDtypeStructs (the largest shard, by sharding)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = tuple(leaf.shape)
+        sharding = getattr(leaf, "sharding", None)
+        local = sharding.shard_shape(shape) if sharding is not None else shape
+        total += math.prod(local) * np.dtype(leaf.dtype).itemsize
     return total
 
 
@@ -116,6 +128,8 @@ def report(
     params: Any = None,
     donate_argnums: Sequence[int] = (),
     print_fn: Callable[[str], None] | None = print,
+    static_kwargs: dict[str, Any] | None = None,
+    while_trips: float = 1.0,
 ) -> dict[str, Any]:
     """Lowers and compiles ``step_fn(*abstract_args)`` on ``mesh``; returns (and prints) the figures.
 
@@ -127,15 +141,18 @@ def report(
       donate_argnums: donated inputs (their buffers are reused by outputs), if ``step_fn`` is not
         already jitted.
       print_fn: where the summary goes; ``None`` to stay silent.
+      static_kwargs: keyword arguments passed as they are (a jitted function's static arguments).
+      while_trips: how many times each ``while`` body runs, for the FLOP count (default once).
 
     Returns a dict: ``params``, ``matmul_flops`` (global per step), ``matmul_flops_per_device``,
     ``xla_flops_per_device``, ``memory`` (per-device bytes: argument/output/alias/temp/peak),
-    ``mesh``, ``lower_s``, ``compile_s``.
+    ``mesh``, ``lower_s``, ``compile_s``, and ``output_shardings`` (not printed: the compiled
+    program's, to chain one program's outputs into the next one's abstract inputs).
     """
     jitted = step_fn if hasattr(step_fn, "lower") else jax.jit(step_fn, donate_argnums=tuple(donate_argnums))
     with jax.set_mesh(mesh):
         start = time.perf_counter()
-        traced = jitted.trace(*abstract_args)
+        traced = jitted.trace(*abstract_args, **(static_kwargs or {}))
         lowered = traced.lower()
         lower_s = time.perf_counter() - start
         start = time.perf_counter()
@@ -144,7 +161,7 @@ def report(
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
         cost = cost[0] if cost else {}
-    matmul_flops = jaxpr_matmul_flops(traced.jaxpr.jaxpr)
+    matmul_flops = jaxpr_matmul_flops(traced.jaxpr.jaxpr, while_trips)
     result = {
         "params": count_params(abstract_args if params is None else params),
         "matmul_flops": matmul_flops,
@@ -154,6 +171,7 @@ def report(
         "mesh": dict(mesh.shape),
         "lower_s": lower_s,
         "compile_s": compile_s,
+        "output_shardings": compiled.output_shardings,
     }
     if print_fn is not None:
         print_fn(format_report(result))

@@ -1,0 +1,58 @@
+"""The whole-GRPO-step dry run (caper_jax.parallel.grpo_dry_run) on the tiny preset, 2 simulated devices:
+every program compiles with the real run's placement, and the accounting adds up."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _child() -> dict:
+    from caper_jax.parallel import grpo_dry_run as plan_lib
+    from caper_jax.parallel.mesh import make_mesh
+    from configs.grpo import get_config
+
+    config = get_config("model=tiny,variant=clause")
+    config.prm.workdir = "(dry run)"
+    config.sampling.max_prompt_len, config.sampling.max_new_tokens = 16, 4
+    config.rl.group_size, config.rl.prompts_per_step, config.rl.num_minibatches = 2, 2, 2
+    result = plan_lib.plan(config, make_mesh((1, -1, 1)), print_fn=None)
+    out = {k: v for k, v in result.items() if k != "programs"}
+    out["programs"] = {k: v.as_dict() for k, v in result["programs"].items()}
+    out["update_epochs"] = config.rl.update_epochs
+    return out
+
+
+def test_grpo_step_programs_and_resident_memory():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "tests.parallel.test_grpo_dry_run", "child"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    programs, persistent = result["programs"], result["persistent"]
+    assert list(programs) == ["prefill", "decode", "prm", "reference", "update"]
+    assert result["rows"] == 4 and result["minibatch_rows"] == 2 and result["devices"] == 2
+    # fp32 AdamW: two moments per parameter (plus a few counters); the reference is a copy of the policy.
+    assert 2 * persistent["policy_params"] <= persistent["optimizer_state"] < 2 * persistent["policy_params"] + 64
+    assert persistent["reference_params"] == persistent["policy_params"] and persistent["prm_params"] > 0
+    uses = {"prefill": {"policy_params"}, "decode": {"policy_params"}, "prm": {"prm_params"},
+            "reference": {"reference_params"}, "update": {"policy_params", "optimizer_state"}}
+    for name, figures in programs.items():
+        others = sum(v for k, v in persistent.items() if k not in uses[name])
+        assert figures["resident_bytes"] == figures["memory"]["peak_bytes"] + others, name
+        assert figures["matmul_flops"] > 0, name
+    assert programs["prefill"]["tokens"] == 4 * 16 and programs["decode"]["tokens"] == 4 * 3
+    assert programs["prm"]["tokens"] == programs["reference"]["tokens"] == 4 * 20
+    assert programs["update"]["rows"] == 2 and programs["update"]["calls"] == 2 * result["update_epochs"]
+    # The decode loop's FLOPs are one token step x 3 trips: below the 20-token forward of the reference.
+    assert programs["decode"]["matmul_flops"] < programs["reference"]["matmul_flops"]
+    assert programs["decode"]["memory"]["alias_bytes"] > 0           # the cache is donated and updated in place
+    assert programs["update"]["memory"]["alias_bytes"] > 0           # the train state too
+
+
+if __name__ == "__main__":
+    print(json.dumps({"child": _child}[sys.argv[1]](), default=str))
