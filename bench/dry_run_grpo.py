@@ -93,7 +93,7 @@ def largest_fit(lines: dict[str, tuple[float, float]], devices: int, capacity_gi
     The rollout programs (prefill, decode, PRM, reference) see all rows at once; the update sees a
     minibatch, at most ``update_max_rows_per_device`` rows per device. P is the largest with rows a
     multiple of the device count whose rollout fits and whose rows per device split into minibatches
-    of that size (or of the rollout's own size, if smaller)."""
+    at least half the largest that fits; the minibatch is the largest that fits and divides them."""
     limit = ARGS.usable * capacity_gib * GiB
     rollout = {k: v for k, v in lines.items() if k != "update"}
     update_max = None
@@ -114,9 +114,14 @@ def largest_fit(lines: dict[str, tuple[float, float]], devices: int, capacity_gi
         candidates.append((prompts, r, worst))
     if not candidates:
         return {"prompts": 0, "reason": "the rollout of one prompt group does not fit"}
-    best_r = candidates[-1][1]
-    mb = best_r if update_max is None else min(update_max, best_r)
-    prompts, r, worst = next(c for c in reversed(candidates) if c[1] % mb == 0)
+    def minibatch(r: int) -> int:  # the largest that fits and divides the rollout's rows per device
+        return r if update_max is None else max(m for m in range(1, min(update_max, r) + 1) if r % m == 0)
+
+    # the largest P whose rows per device split into minibatches at least half the largest that fits
+    # (a prime row count would otherwise force 1-row minibatches)
+    prompts, r, worst = next(c for c in reversed(candidates)
+                             if 2 * minibatch(c[1]) >= min(update_max or c[1], c[1]))
+    mb = minibatch(r)
     out = {"prompts": prompts, "rows_per_device": r, "worst_program": worst[1], "resident_gib": worst[0] / GiB,
            "rollout_bound_prompts": candidates[-1][0], "update_max_rows_per_device": update_max,
            "update_rows_per_device": mb, "num_minibatches": r // mb}
