@@ -2,34 +2,21 @@
 
 The files live in ``../shared/data/spider_predictions/`` (provenance, licences and formats in its
 PROVENANCE.md): four ``.sql`` files of 1034 lines in dev.json order and two DIN-SQL CSVs with a
-``PREDICTED SQL`` column. Lines are read as the official evaluator would after turning tabs into
-spaces (c3sql_chatgpt.sql line 771 holds tabs inside its SQL): ``\\r`` and surrounding spaces
-stripped. A *failure* is an example with a database whose prediction does not execute to gold's
-result the Spider way (``results_equal``: bags, ordered iff gold has ORDER BY, any column order).
+``PREDICTED SQL`` column, read by ``caper_jax.data.spider.read_sql_predictions`` (tabs inside a
+line are spaces: c3sql_chatgpt.sql line 771 holds tabs inside its SQL). A *failure* is an example
+with a database whose prediction does not execute to gold's result the Spider way (``results_equal``: bags, ordered iff gold has ORDER BY, any column order).
 """
 from __future__ import annotations
 
-import csv
 import json
 import os
 import pathlib
 
+from caper_jax.data.spider import read_sql_predictions
 from caper_jax.sql.execution import Executors, order_matters, results_equal
 
 SYSTEMS = ("dail_sql_gpt4.sql", "dail_sql_gpt4_sc.sql", "graphix_t5.sql", "c3sql_chatgpt.sql",
            "din_sql_gpt4.csv", "din_sql_codex.csv")
-
-
-def read_predictions(path: str | os.PathLike) -> list[str]:
-    """The predictions of one file, one per dev.json example, in order."""
-    path = pathlib.Path(path)
-    if path.suffix == ".csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            rows = [row["PREDICTED SQL"] for row in csv.DictReader(f)]
-    else:
-        lines = path.read_text(encoding="utf-8").split("\n")
-        rows = lines[:-1] if lines and lines[-1] == "" else lines
-    return [row.replace("\t", " ").strip() for row in rows]
 
 
 def failures(spider_dir: str | os.PathLike, predictions_dir: str | os.PathLike,
@@ -43,7 +30,7 @@ def failures(spider_dir: str | os.PathLike, predictions_dir: str | os.PathLike,
     out = []
     with Executors(spider_dir / "database") as executors:
         for system in systems:
-            predictions = read_predictions(predictions_dir / system)
+            predictions = read_sql_predictions(predictions_dir / system)
             if len(predictions) != len(examples):
                 raise ValueError(f"{system}: {len(predictions)} predictions for {len(examples)} examples")
             for index, (example, pred) in enumerate(zip(examples, predictions)):
@@ -59,4 +46,4 @@ def failures(spider_dir: str | os.PathLike, predictions_dir: str | os.PathLike,
     return out
 
 
-__all__ = ["SYSTEMS", "failures", "read_predictions"]
+__all__ = ["SYSTEMS", "failures"]

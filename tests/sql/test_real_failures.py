@@ -18,7 +18,7 @@ import pathlib
 
 import pytest
 
-from caper_jax.data.published_predictions import read_predictions
+from caper_jax.data.spider import read_sql_predictions
 from caper_jax.sql.execution import Executors
 from caper_jax.sql.localize import localize
 from caper_jax.sql.schema import Schema
@@ -45,7 +45,7 @@ def outcomes(spider):
         for label in labels:
             system, index = label["system"], label["index"]
             if system not in predictions:
-                predictions[system] = read_predictions(predictions_dir / system)
+                predictions[system] = read_sql_predictions(predictions_dir / system)
             example = examples[index]
             db_id = example["db_id"]
             assert db_id == label["db_id"], label
