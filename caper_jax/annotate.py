@@ -11,12 +11,20 @@
         The TFDS ArrayRecord dataset, with a progress bar and a final summary. ``--beam`` annotates
         in an Apache Beam pipeline (local DirectRunner by default; docs/scale.md).
 
-A malformed input line (not JSON, not an object, a required field missing or not a string, a gold
-query that does not run) is reported on stderr with its line number and skipped; so is a line on
-which annotation itself fails (reported as an internal error, with the exception). The other lines
-are still written. The exit status is 0 unless the run itself cannot start (missing files, bad
-flags). Annotation settings (alpha, sigma, margin floor, ...) come from ``--config``, by default
-configs/annotate.py's defaults (the same values as ``AnnotationSettings``).
+A malformed input line (not UTF-8, not JSON, a lone surrogate such as ``"\ud800"``, not an object, a
+required field missing or not a string, a gold query that does not run) is reported on stderr with
+its line number and skipped; so is a line on which annotation itself fails (reported as an internal
+error, with the exception). The other lines are still written. Annotation settings (alpha, sigma,
+margin floor, ...) come from ``--config``, by default configs/annotate.py's defaults (the same values
+as ``AnnotationSettings``).
+
+Before any work, one line on stderr and exit status 2 for: a ``--db`` that is missing or not a
+SQLite database, a missing ``--input``, an ``--output`` that is (or resolves to) the input or the
+database, or whose directory is missing or read-only, a negative ``limit``, ``--beam`` without
+apache-beam. The output is written to a temporary file next to it and renamed into place at the
+end (caper_jax/utils/atomic.py), so it never holds a partial result. Ctrl-C stops the run (SQLite
+queries included) with exit status 130 and leaves the output as it was. Otherwise the exit status
+is 0.
 """
 from __future__ import annotations
 
@@ -33,6 +41,8 @@ from ml_collections import ConfigDict, config_flags
 
 from caper_jax.sql.execution import Executor
 from caper_jax.sql.localize import GoldError, localize
+from caper_jax.utils import atomic
+from caper_jax.utils.jsonl import LineError, read_json_lines
 from caper_jax.sql.mutations import inject_faults
 from caper_jax.sql.schema import Schema
 from caper_jax.sql.tuples import AnnotationSettings, mutation_rewards
@@ -72,31 +82,33 @@ def settings_from_config(config: ConfigDict | None) -> AnnotationSettings:
 
 def read_lines(path: str | pathlib.Path,
                required: tuple[str, ...]) -> Iterator[tuple[int, dict | InputError]]:
-    """(line number, record or the error that line has), for every non-blank line."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield number, InputError(f"not JSON ({e.msg})")
-                continue
-            if not isinstance(record, dict):
-                yield number, InputError(f"not a JSON object: {type(record).__name__}")
-                continue
-            missing = [k for k in required if not isinstance(record.get(k), str)]
-            if missing:
-                yield number, InputError(f"field(s) {', '.join(missing)} missing or not a string")
-                continue
-            yield number, record
+    """(line number, record or the error that line has), for every non-blank line.
+
+    Each line is decoded as UTF-8 on its own: a line with invalid bytes (or a lone surrogate) is an
+    error of that line, never replaced by U+FFFD and written back as if it were the input.
+    """
+    for number, record in read_json_lines(path):
+        if isinstance(record, LineError):
+            yield number, InputError(str(record))
+            continue
+        if not isinstance(record, dict):
+            yield number, InputError(f"not a JSON object: {type(record).__name__}")
+            continue
+        missing = [k for k in required if not isinstance(record.get(k), str)]
+        if missing:
+            yield number, InputError(f"field(s) {', '.join(missing)} missing or not a string")
+            continue
+        yield number, record
 
 
 def process_file(input_path: str, output_path: str, required: tuple[str, ...],
                  handle: Callable[[dict], list[dict]], log=sys.stderr) -> dict[str, int]:
-    """Runs ``handle`` on every good line; writes its outputs; reports and skips bad lines."""
+    """Runs ``handle`` on every good line; writes its outputs; reports and skips bad lines.
+
+    The output appears (renamed from a temporary file) only when every line was processed.
+    """
     counts = {"lines": 0, "written": 0, "skipped": 0}
-    with open(output_path, "w", encoding="utf-8") as out:
+    with atomic.AtomicWriter(output_path) as out:
         for number, record in read_lines(input_path, required):
             counts["lines"] += 1
             if isinstance(record, InputError):
@@ -116,7 +128,6 @@ def process_file(input_path: str, output_path: str, required: tuple[str, ...],
             for result in results:
                 out.write(json.dumps(result, ensure_ascii=False) + "\n")
                 counts["written"] += 1
-            out.flush()
     print(f"{counts['lines']} lines, {counts['written']} written, {counts['skipped']} skipped",
           file=log)
     return counts
@@ -167,6 +178,7 @@ def run_build(config: ConfigDict, beam_options: str | None = None) -> dict[str, 
     import tensorflow_datasets as tfds
 
     settings = settings_from_config(config)
+    check_build(config, beam=beam_options is not None)
     manual_dir = config.data.manual_dir
     if config.name == "demo" and not manual_dir:
         manual_dir = str(pathlib.Path(config.data_dir or tfds.core.constants.DATA_DIR).expanduser()
@@ -209,34 +221,68 @@ def run_build(config: ConfigDict, beam_options: str | None = None) -> dict[str, 
     return summary
 
 
+def check_build(config: ConfigDict, *, beam: bool) -> None:
+    """What ``build`` can refuse before any work: raises ValueError with one line."""
+    limit = config.data.limit
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        raise ValueError(f"data.limit={limit!r}: must be an integer >= 0 (0 = all trajectories)")
+    if config.data.manual_dir and not pathlib.Path(config.data.manual_dir).is_dir():
+        raise ValueError(f"data.manual_dir={config.data.manual_dir!r} is not a directory")
+    if config.data_dir:
+        atomic.check_output_dir(config.data_dir, flag="data_dir")
+    if beam:
+        try:
+            import apache_beam  # noqa: F401
+        except ImportError:
+            raise ValueError("--beam needs apache-beam, which is not installed (pip install apache-beam)") from None
+
+
 def config_name(source: str, settings: AnnotationSettings, options: dict) -> str:
     """``<source>_<hash of everything that changes the data>``: new settings, new directory."""
     key = json.dumps([dataclasses.asdict(settings), options], sort_keys=True)
     return f"{source}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
+def check_files(db: str, input_path: str, output_path: str) -> None:
+    """localize / inject: every file problem, before any work; raises ValueError with one line."""
+    atomic.check_sqlite_database(db, "--db")
+    if not pathlib.Path(input_path).is_file():
+        raise ValueError(f"--input {input_path}: no such file")
+    atomic.check_output(output_path, inputs=(input_path, db), flag="--output")
+
+
 def main(argv: list[str]) -> None:
     if len(argv) != 2 or argv[1] not in COMMANDS:
         raise app.UsageError(f"usage: python -m caper_jax.annotate {{{','.join(COMMANDS)}}} [flags]")
     command = argv[1]
-    settings = settings_from_config(FLAGS.config)
-    if command == "build":
-        if FLAGS.config is None:
-            raise app.UsageError("build needs --config=configs/annotate.py[:arg]")
-        run_build(FLAGS.config, beam_options=FLAGS.beam_options if FLAGS.beam else None)
-        return
-    for name in ("db", "input", "output"):
+    if command == "build" and FLAGS.config is None:
+        raise app.UsageError("build needs --config=configs/annotate.py[:arg]")
+    for name in ("db", "input", "output") if command != "build" else ():
         if not getattr(FLAGS, name):
             raise app.UsageError(f"{command} needs --{name}")
-    for path in (FLAGS.db, FLAGS.input):
-        if not pathlib.Path(path).is_file():
-            raise app.UsageError(f"no such file: {path}")
-    if command == "localize":
-        run_localize(FLAGS.db, FLAGS.input, FLAGS.output, settings)
-    else:
-        if FLAGS.per_query is not None:
-            settings = dataclasses.replace(settings, per_query=FLAGS.per_query)
-        run_inject(FLAGS.db, FLAGS.input, FLAGS.output, settings)
+    try:    # everything that can be refused, before any work: one line, no traceback
+        settings = settings_from_config(FLAGS.config)
+        if command == "build":
+            check_build(FLAGS.config, beam=FLAGS.beam)
+        else:
+            check_files(FLAGS.db, FLAGS.input, FLAGS.output)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        if command == "build":
+            run_build(FLAGS.config, beam_options=FLAGS.beam_options if FLAGS.beam else None)
+        elif command == "localize":
+            run_localize(FLAGS.db, FLAGS.input, FLAGS.output, settings)
+        else:
+            if FLAGS.per_query is not None:
+                settings = dataclasses.replace(settings, per_query=FLAGS.per_query)
+            run_inject(FLAGS.db, FLAGS.input, FLAGS.output, settings)
+    except KeyboardInterrupt as error:  # Ctrl-C, inside a SQLite query too
+        where = f" ({error})" if str(error) else ""
+        left = "the dataset was not completed" if command == "build" else f"{FLAGS.output} left as it was"
+        print(f"interrupted{where}: {command} stopped; {left}", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,12 @@ just before orbax's final rename, process 0 records size and CRC32 of every item
 ``restore_latest`` walks the steps from newest to oldest and restores the first one whose files
 all match, logging why each newer one was skipped. A checkpoint that verifies but does not fit
 the requested state (wrong shapes, missing item) is a user error and raises instead.
+
+A skipped (damaged) step is set aside, never deleted: its directory is renamed
+``<step>.corrupt-<UTC time>`` (orbax lists only integer names, so it is no longer a step and no
+retention rule removes it) and the warning names it. The resumed run then saves that step again
+instead of failing on ``StepAlreadyExistsError`` when it gets there, and the damaged files stay on
+disk for inspection (delete them by hand when done).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,6 +44,7 @@ import orbax.checkpoint as ocp
 MANIFEST = "caper_manifest.json"
 MANIFEST_FORMAT = 1
 _TMP_MARKER = ".orbax-checkpoint-tmp"
+CORRUPT_MARKER = ".corrupt-"
 _CHUNK = 16 << 20
 
 _log = logging.getLogger(__name__)
@@ -187,21 +195,41 @@ class Checkpointer:
         """
         self.wait()
         chosen = -1
+        set_aside = 0
         if jax.process_index() == 0:  # one reader checks; every process then restores the same step
             for step in reversed(self.all_steps()):
                 problem = self.verify(step)
                 if problem is None:
                     chosen = step
                     break
-                _log.warning("checkpoint %s/%d is unusable: %s; trying an older one", self.directory, step, problem)
+                moved = self._set_aside(step)
+                set_aside += 1
+                _log.warning("checkpoint %s/%d is unusable: %s; set aside as %s; trying an older one",
+                             self.directory, step, problem, moved.name)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            chosen = int(multihost_utils.broadcast_one_to_all(np.int32(chosen)))
+            # Process 0 renamed before it broadcasts, so every process reloads after the renames.
+            chosen, set_aside = (int(v) for v in multihost_utils.broadcast_one_to_all(
+                np.asarray([chosen, set_aside], np.int32)))
+        if set_aside:
+            self._manager.reload()   # the set-aside steps are gone from orbax's list: they can be saved again
         if chosen < 0:
             _log.info("no usable checkpoint in %s; starting fresh", self.directory)
             return None
         return self.restore(chosen, abstract, data_iterator=data_iterator)
+
+    def _set_aside(self, step: int) -> Path:
+        """Renames a damaged step directory to ``<step>.corrupt-<UTC time>`` (never deletes it)."""
+        source = self.directory / str(step)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target = self.directory / f"{step}{CORRUPT_MARKER}{stamp}"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.directory / f"{step}{CORRUPT_MARKER}{stamp}-{n}"
+        os.rename(source, target)
+        return target
 
     def restore(self, step: int, abstract: Any, *, data_iterator: grain.DatasetIterator | None = None
                 ) -> Restored:

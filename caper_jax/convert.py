@@ -7,17 +7,28 @@
 An orbax checkpoint here is a directory with `params/` (orbax StandardSave of the parameter
 pytree, as nested dicts) and `config.json` (the HF config, so the directory is self-describing).
 Parameters keep their dtype, so hf-to-orbax followed by orbax-to-hf reproduces every tensor bit
-for bit. `verify` runs transformers (when torch is importable) and caper_jax on the same random
-tokens; its last stdout line is JSON: max_abs_logit_diff, mean_kl (KL(hf || caper_jax) per
-position), greedy_match (both greedy-decode the same tokens).
+for bit. `verify` runs transformers' PyTorch model and caper_jax on the same random tokens; its last
+stdout line is JSON: max_abs_logit_diff, mean_kl (KL(hf || caper_jax) per position), greedy_match
+(both greedy-decode the same tokens). The reference needs torch (requirements-test.txt): without it
+`verify` says so and exits 2 before loading anything.
+
+Before any work, one line on stderr and exit status 2 for: a missing input directory or
+config.json, a config.json that is not a JSON object, an `--out` that is (or holds) the input, is a
+file or a non-empty directory, or whose parent cannot be written. A checkpoint whose tensors do not
+fit its config (missing, unused or wrongly shaped tensors) ends the run with one line too. Outputs
+are written into a temporary directory beside `--out` and renamed to it at the end, so an
+interrupted conversion never leaves a directory that looks complete; Ctrl-C exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,8 +40,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from caper_jax.models import Qwen35Config, Qwen35ForCausalLM, from_hf, to_hf
-from caper_jax.models.hf_io import abstract_model
+from caper_jax.models.hf_io import CheckpointError, abstract_model
 from caper_jax.parallel.rules import logical_to_sharding
+from caper_jax.utils import atomic
 
 PARAMS_DIR = "params"
 
@@ -90,7 +102,11 @@ def _log_softmax64(logits: np.ndarray) -> np.ndarray:
 
 
 def verify(hf_dir: str, batch: int = 2, seq_len: int = 96, new_tokens: int = 16, seed: int = 0) -> dict[str, Any]:
-    """Compares caper_jax with transformers (fp32) on random tokens; returns the report dict."""
+    """Compares caper_jax with transformers (fp32) on random tokens; returns the report dict.
+
+    Raises ReferenceUnavailable, before loading anything, when torch or transformers is missing.
+    """
+    require_reference()
     model, config = from_hf(hf_dir, dtype="float32")
     tokens = np.random.default_rng(seed).integers(0, config.vocab_size, (batch, seq_len))
     graphdef, state = nnx.split(model)
@@ -98,12 +114,8 @@ def verify(hf_dir: str, batch: int = 2, seq_len: int = 96, new_tokens: int = 16,
     report: dict[str, Any] = {
         "hf_dir": str(hf_dir), "batch": batch, "seq_len": seq_len, "finite": bool(np.isfinite(ours).all())
     }
-    try:
-        import torch
-        import transformers
-    except ImportError:
-        report.update(reference=None, max_abs_logit_diff=None, mean_kl=None, greedy_match=None)
-        return report
+    import torch
+    import transformers
     reference = transformers.Qwen3_5ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = reference(torch.as_tensor(tokens)).logits.numpy()
@@ -130,7 +142,53 @@ def verify(hf_dir: str, batch: int = 2, seq_len: int = 96, new_tokens: int = 16,
     return report
 
 
+class ReferenceUnavailable(RuntimeError):
+    """`verify` cannot run: its reference (transformers' PyTorch model) is not importable."""
+
+
+def require_reference() -> None:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as error:
+        raise ReferenceUnavailable(
+            f"convert verify compares with transformers' PyTorch model, which needs torch and transformers "
+            f"({error}); install them with pip install -r requirements-test.txt") from None
+
+
 # CLI ---------------------------------------------------------------------------------------------
+
+
+def _read_config(directory: str, flag: str) -> dict[str, Any]:
+    """config.json of an input directory, checked before any work (one-line errors)."""
+    path = pathlib.Path(directory)
+    if not path.is_dir():
+        raise ValueError(f"{flag} {directory}: no such directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{flag} {directory} has no config.json")
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{directory}/config.json is not JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{directory}/config.json is not a JSON object")
+    return config
+
+
+def _into_place(out: str, write) -> pathlib.Path:
+    """Runs ``write(staging_dir)`` on a temporary directory beside ``out``, then renames it to ``out``."""
+    target = pathlib.Path(out).absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
+    try:
+        write(staging)
+        if target.is_dir():
+            target.rmdir()   # empty: checked before the work
+        os.rename(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -151,14 +209,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--new_tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, ReferenceUnavailable, FileNotFoundError) as error:  # CheckpointError, OutputError
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: convert {args.command} stopped; no output written", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    source = args.ckpt if args.command == "orbax-to-hf" else args.hf_dir
+    hf_config = _read_config(source, "--ckpt" if args.command == "orbax-to-hf" else "--hf_dir")
+    if args.command == "verify":
+        require_reference()
+    else:
+        atomic.check_output_dir(args.out, inputs=(source,), flag="--out", must_be_empty=True)
+    if args.command == "orbax-to-hf" and not (pathlib.Path(source) / PARAMS_DIR).is_dir():
+        raise ValueError(f"--ckpt {source} has no {PARAMS_DIR}/ (not written by hf-to-orbax)")
 
     if args.command == "hf-to-orbax":
-        dtype = args.dtype or _checkpoint_dtype(json.loads((pathlib.Path(args.hf_dir) / "config.json").read_text()))
+        dtype = args.dtype or _checkpoint_dtype(hf_config)
         model, config = from_hf(args.hf_dir, dtype=dtype)
-        print(save_orbax(model, config, args.out))
+        print(_into_place(args.out, lambda staging: save_orbax(model, config, staging)))
     elif args.command == "orbax-to-hf":
         model, config = load_orbax(args.ckpt)
-        print(to_hf(model, config, args.out, max_shard_bytes=int(args.max_shard_gb * 2**30)))
+        max_shard_bytes = int(args.max_shard_gb * 2**30)
+        print(_into_place(args.out, lambda staging: to_hf(model, config, staging, max_shard_bytes=max_shard_bytes)))
     else:
         report = verify(args.hf_dir, args.batch, args.seq_len, args.new_tokens, args.seed)
         print(json.dumps(report))

@@ -4,7 +4,8 @@
        [--timeout_s 30] [--max_rows 1000000]
         Execution accuracy (caper_jax/evaluate_ex.py; docs/sql.md). Reports (malformed lines,
         excluded examples) go to stderr; the last stdout line is the JSON summary
-        {"ex", "n", ["mv"], "excluded", "malformed"}.
+        {"ex", "n", ["mv"], "excluded", "malformed"}. Exit status 2 with one line for an input or
+        output that cannot be used (checked before any work), 130 on Ctrl-C (no summary).
 
     --config=configs/eval.py[:arg] --workdir=OUT [--config.a.b=value ...]
         Policy evaluation (caper_jax/eval/policy.py; docs/evaluation.md): greedy EX, MV@k and
@@ -24,9 +25,9 @@ import sys
 import time
 
 from caper_jax import evaluate_ex
+from caper_jax.utils import summary as summary_lib
 from caper_jax.data.spider import DataError
 from caper_jax.sql.semantics import SEMANTICS, check_semantics
-from caper_jax.utils import summary as summary_lib
 
 
 def _add_ex(commands: argparse._SubParsersAction) -> None:
@@ -140,10 +141,15 @@ def run_config(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a == "--config" or a.startswith("--config=") for a in argv):
-        return run_config(argv)
-    args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        if any(a == "--config" or a.startswith("--config=") for a in argv):
+            return run_config(argv)
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    except KeyboardInterrupt as error:  # Ctrl-C, inside a SQLite query too: no summary, outputs as they were
+        where = f" ({error})" if str(error) else ""
+        print(f"interrupted{where}: evaluation stopped; no summary, outputs left as they were", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ Scoring: the chosen SQL is correct iff it executes and ``results_equal(gold, cho
 test-suite evaluator's default: every DISTINCT is removed from gold and candidates before they run, then
 they compare as ``spider`` (caper_jax/sql/semantics.py). Errors and timeouts are wrong.
 Examples whose database is missing, or whose gold SQL fails, are reported and excluded from ``n``.
-Malformed lines are reported with their line number and skipped.
+Malformed lines (not UTF-8, not JSON, a lone surrogate, a bad ``index`` or one already graded on an
+earlier line, which would count twice) are reported with their line number and skipped. ``output``
+is refused if it is (or resolves to) the predictions, a dataset file or a database, and is renamed
+into place only when every line is graded.
 
 The summary has ``ex`` (accuracy of the chosen SQL), ``n``, and, when any line has candidates,
 ``mv``: over those lines, ``first`` (accuracy of the first candidate alone), ``vote`` (of the vote)
@@ -38,6 +41,7 @@ from caper_jax.data.spider import (SQL_PREDICTION_SUFFIXES, MissingDatabaseError
                                    read_sql_predictions)
 from caper_jax.sql.execution import ExecResult, Executor, order_matters, results_equal
 from caper_jax.sql.semantics import EvalSemantics as Semantics, check_semantics, comparison, executed_sql
+from caper_jax.utils import atomic, jsonl
 
 DEFAULT_TIMEOUT_S = 30.0  # BIRD's evaluator uses 30 s; Spider gold queries take milliseconds
 DEFAULT_MAX_ROWS = 1_000_000  # far above any Spider/BIRD gold result: a cap, not a filter
@@ -58,9 +62,9 @@ class Prediction:
 
 def parse_prediction(line_number: int, text: str, n_examples: int) -> Prediction:
     try:
-        record = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise PredictionError(f"not JSON ({error.msg})") from None
+        record = jsonl.parse_json_line(text)  # refuses a line that is not UTF-8, not JSON, or a lone surrogate
+    except jsonl.LineError as error:
+        raise PredictionError(str(error)) from None
     if not isinstance(record, dict):
         raise PredictionError("not a JSON object")
     index = record.get("index")
@@ -110,7 +114,7 @@ class GradedLine:
 def _prediction_lines(path: str | os.PathLike, examples: Sequence):
     """The predictions file's lines; a plain SQL file comes as one ``{"index", "pred"}`` line per example."""
     if pathlib.Path(path).suffix.lower() not in SQL_PREDICTION_SUFFIXES:
-        return open(path, encoding="utf-8")
+        return jsonl.open_text_lines(path)  # decoded line by line: a bad byte spoils one line only
     sql = read_sql_predictions(path, examples)
     return contextlib.nullcontext([json.dumps({"index": i, "pred": s}) for i, s in enumerate(sql)])
 
@@ -124,15 +128,20 @@ def grade_predictions(path: str | os.PathLike, examples: Sequence, executor_for:
     graded) when its database is missing or its gold query fails. A ``.sql``/``.txt``/``.csv`` file is a
     published system's predictions, one per example in split order (``read_sql_predictions``).
     """
+    first_line: dict[int, int] = {}  # index -> line that graded it: a repeated index would count twice
     with _prediction_lines(path, examples) as lines:
         for line_number, text in enumerate(lines, start=1):
             if not text.strip():
                 continue
             try:
                 prediction = parse_prediction(line_number, text, len(examples))
+                if prediction.index in first_line:
+                    raise PredictionError(f"index {prediction.index} again (first at line "
+                                          f"{first_line[prediction.index]}); it would count twice")
             except PredictionError as error:
                 on_malformed(line_number, error)
                 continue
+            first_line[prediction.index] = line_number
             example = examples[prediction.index]
             executor = executor_for(example.db_id)
             gold = executor.execute(executed_sql(example.query, semantics)) if executor is not None else None
@@ -153,6 +162,8 @@ def evaluate_ex(data_dir: str | os.PathLike, split: str, predictions: str | os.P
     """Scores a predictions file; writes per-line results to ``output``; returns the summary."""
     check_semantics(semantics)
     report = report or (lambda message: print(message, file=sys.stderr))
+    if output is not None:   # before any work: never the predictions, the data or a database
+        atomic.check_output(output, inputs=(predictions, *pathlib.Path(data_dir).glob("*.json")))
     examples = load_split(data_dir, split)
     executors: dict[str, Executor | None] = {}
 
@@ -174,7 +185,8 @@ def evaluate_ex(data_dir: str | os.PathLike, split: str, predictions: str | os.P
         malformed.append(line_number)
         report(f"{predictions}:{line_number}: skipped: {error}")
 
-    sink: TextIO | None = open(output, "w", encoding="utf-8") if output is not None else None
+    # Written under a temporary name, renamed into place only when every line is graded.
+    sink: atomic.AtomicWriter | None = atomic.AtomicWriter(output) if output is not None else None
     try:
         for line in grade_predictions(predictions, examples, executor_for, semantics=semantics, on_malformed=skip):
             prediction, example = line.prediction, line.example
@@ -201,9 +213,13 @@ def evaluate_ex(data_dir: str | os.PathLike, split: str, predictions: str | os.P
                     row["error"] = line.results[chosen].error_kind
             if sink is not None:
                 sink.write(json.dumps(row, ensure_ascii=False) + "\n")
+    except BaseException:   # Ctrl-C included: the output keeps its previous content (or stays absent)
+        if sink is not None:
+            sink.discard()
+        raise
     finally:
         if sink is not None:
-            sink.close()
+            sink.close()    # renames it into place (nothing after a discard)
         for executor in executors.values():
             if executor is not None:
                 executor.close()

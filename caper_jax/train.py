@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import logging
+import pathlib
 import sys
 
 from absl import app, flags
@@ -78,6 +79,25 @@ def parse_flags(argv: list[str]) -> list[str]:
         sys.exit(f"error: {e}")
 
 
+def workdir_problem(workdir: str) -> str | None:
+    """Why ``workdir`` cannot hold a run (a file, or not writable), checked before any work; else None.
+
+    A missing workdir is fine (the trainer creates it) when its nearest existing parent is a
+    writable directory. Writability is probed by creating a file, which is what counts (root,
+    read-only mounts, immutable directories).
+    """
+    from caper_jax.utils import atomic
+
+    path = pathlib.Path(workdir)
+    if path.exists() and not path.is_dir():
+        return f"--workdir={workdir} is a file, not a directory"
+    try:
+        atomic.check_output_dir(path, flag="--workdir")
+    except atomic.OutputError as error:
+        return str(error)
+    return None
+
+
 def main(argv: list[str]) -> None:
     del argv
     logging.getLogger("caper_jax").setLevel(logging.INFO)
@@ -101,6 +121,9 @@ def main(argv: list[str]) -> None:
         return
     if not _WORKDIR.value:
         sys.exit("error: --workdir is required (checkpoints, metrics and exports go there)")
+    problem = workdir_problem(_WORKDIR.value)
+    if problem:
+        sys.exit(f"error: {problem}")
     trainer.run(config, _WORKDIR.value)
 
 

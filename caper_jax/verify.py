@@ -19,11 +19,14 @@ is the JSON summary over the scored lines::
 (``caper_jax.evaluate_ex.majority_vote``), ``prm`` of the PRM's choice, ``any`` the oracle (some
 candidate right); ``prm_by_aggregate`` holds best-of-k by each aggregate and the PRM-weighted vote
 ``vote_<aggregate>`` (``caper_jax.prm.scoring.weighted_vote``: the result class whose members'
-sigmoid scores sum highest). ``--output`` gets one line per input line: the input fields, ``sql`` (the PRM's
+sigmoid scores sum highest). ``--output`` gets one line per well-formed input line: the input fields, ``sql`` (the PRM's
 choice), ``chosen``, ``correct``, ``clauses`` ([name, score] of the chosen SQL), ``score`` (its
 aggregate) and ``candidate_scores`` (every candidate's aggregate). Lines whose database is missing
-or whose gold fails are reported on stderr and excluded from ``n``; malformed lines are reported
-with their line number and skipped — as in ``evaluate ex``.
+or whose gold fails are reported on stderr and excluded from ``n``; malformed lines (not UTF-8, not
+JSON, a lone surrogate, a bad or repeated ``index``) are reported with their line number and skipped
+— as in ``evaluate ex``. An ``--output`` (``--output_dir``) that is or resolves to an input or a
+database is refused before the PRM is loaded; outputs are renamed into place only when complete;
+Ctrl-C exits 130 with no summary.
 
 **Localize**: root-cause localisation of a file of FAILED predictions (lines: ``gold``, ``pred``,
 ``question``, ``db_id`` — or ``index`` into the split for the missing ones — and optionally the true
@@ -40,7 +43,9 @@ import collections
 import json
 import os
 import pathlib
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -52,6 +57,7 @@ from caper_jax.sql.semantics import SEMANTICS, check_semantics
 from caper_jax.evaluate_ex import (DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, PredictionError, grade_predictions,
                                    majority_vote)
 from caper_jax.sql.execution import Executor
+from caper_jax.utils import atomic, jsonl
 
 AGGREGATES = ("min", "mean", "last")  # == caper_jax.prm.scoring.AGGREGATES (no jax import at parse time)
 Report = Callable[[str], None]
@@ -112,6 +118,8 @@ def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: 
         raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
     check_semantics(semantics)
     report = report or _stderr
+    if output is not None:   # before any work: never the candidates, the data or a database
+        atomic.check_output(output, inputs=data_inputs(data_dir, candidates))
     examples = load_split(data_dir, split)
     databases = _Databases(data_dir, timeout_s=timeout_s, max_rows=max_rows, report=report, where=str(candidates))
     excluded: collections.Counter[str] = collections.Counter()
@@ -155,14 +163,19 @@ def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: 
             counts[how] += right[scoring.best_index(line["scores"], how)]
             counts[scoring.VOTE_PREFIX + how] += right[scoring.weighted_vote(line["scores"], line["classes"], how)]
     n = len(scored)
-    if output is not None:
-        with open(output, "w", encoding="utf-8") as sink:
+    if output is not None:   # a temporary file renamed into place: never half written
+        with atomic.atomic_output(output) as sink:
             for line in lines:
                 sink.write(json.dumps(_output_row(line, aggregate), ensure_ascii=False) + "\n")
     rate = lambda key: counts[key] / n if n else 0.0  # noqa: E731
     return {"n": n, "first": rate("first"), "vote": rate("vote"), "prm": rate(aggregate), "aggregate": aggregate,
             "prm_by_aggregate": {how: rate(how) for how in scoring.SELECTORS}, "any": rate("any"),
             "excluded": dict(excluded), "malformed": len(malformed)}
+
+
+def data_inputs(data_dir: str | os.PathLike, *files: str | os.PathLike) -> list:
+    """The input files an output must never be: ``files`` and the dataset's JSON files."""
+    return [*files, *pathlib.Path(data_dir).glob("*.json")]
 
 
 def _output_row(line: dict, how: str) -> dict:
@@ -214,15 +227,15 @@ def read_failures(data_dir: str | os.PathLike, split: str, predictions: str | os
     schemas: dict[str, Schema] = {}
     rows, skipped = [], collections.Counter()
     try:
-        with open(predictions, encoding="utf-8") as f:
+        with jsonl.open_text_lines(predictions) as f:   # decoded line by line: a bad byte spoils one line
             for line_number, text in enumerate(f, start=1):
                 if not text.strip():
                     continue
-                try:
-                    record = _failure_record(json.loads(text), split_examples)
-                except (json.JSONDecodeError, PredictionError) as error:
+                try:   # not UTF-8, not JSON, a lone surrogate, missing fields: that line only
+                    record = _failure_record(jsonl.parse_json_line(text), split_examples)
+                except (jsonl.LineError, PredictionError) as error:
                     skipped["malformed"] += 1
-                    report(f"{predictions}:{line_number}: skipped: {getattr(error, 'msg', error)}")
+                    report(f"{predictions}:{line_number}: skipped: {error}")
                     continue
                 if record["db_id"] not in databases.tables:
                     skipped["unknown_db"] += 1
@@ -294,8 +307,16 @@ def localization_report(scorer: Scorer, rows: list[dict], out_dir: str | os.Path
                "localization": localization}
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "localization.json").write_text(json.dumps(results, indent=1) + "\n")
-    report_lib.write_localization_report(results, out)
+    # Every file is written into a temporary directory beside them, then renamed into place, the
+    # JSON last: an interrupted run leaves the previous report (or none), never a truncated file.
+    staging = pathlib.Path(tempfile.mkdtemp(dir=out, prefix=".localization-partial-"))
+    try:
+        report_lib.write_localization_report(results, staging)
+        (staging / "localization.json").write_text(json.dumps(results, indent=1) + "\n")
+        for path in sorted(staging.iterdir(), key=lambda p: p.name == "localization.json"):
+            os.replace(path, out / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return results
 
 
@@ -338,7 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     from caper_jax.prm.scoring import ScoringError, load_scorer
 
     try:
-        load_split(args.data, args.split)  # bad data fails before the model is loaded
+        load_split(args.data, args.split)  # bad data and bad outputs fail before the model is loaded
+        if command == "localize":
+            atomic.check_output_dir(args.output_dir, inputs=data_inputs(args.data, args.predictions, args.prm))
+        elif args.output is not None:
+            atomic.check_output(args.output, inputs=data_inputs(args.data, args.candidates))
         scorer = load_scorer(args.prm, batch_size=args.batch_size, max_len=args.max_len)
         if command == "localize":
             rows, skipped = read_failures(args.data, args.split, args.predictions, timeout_s=args.timeout_s)
@@ -353,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, FileNotFoundError, WorkdirError, ScoringError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as error:  # Ctrl-C, inside a SQLite query too: no summary, outputs as they were
+        where = f" ({error})" if str(error) else ""
+        print(f"interrupted{where}: verify stopped; no summary, outputs left as they were", file=sys.stderr)
+        return 130
     print(json.dumps(summary))
     return 0
 

@@ -1,4 +1,5 @@
-"""Checkpoints: exact resume after SIGKILL, sharded restore, fallback past damaged checkpoints, 2 hosts.
+"""Checkpoints: exact resume after SIGKILL, sharded restore, fallback past damaged checkpoints (set aside,
+then saved over), 2 hosts.
 
 Run as a script this file is a child process of the tests below:
 ``python -m tests.test_checkpoint train WORKDIR STEPS`` is a tiny optax training loop over the real
@@ -238,6 +239,87 @@ def test_interrupted_write_is_ignored_and_all_damaged_means_fresh_start(three_ch
     caplog.clear()
     restored, _ = _restore(three_checkpoints, caplog)
     assert restored is None and len(caplog.records) == 3
+
+
+def _half_written(step_dir: Path) -> None:
+    # What an interrupted copy (or a save on a filesystem without atomic rename) leaves under the
+    # step's final name: part of the item files and no manifest.
+    (step_dir / ck.MANIFEST).unlink()
+    shutil.rmtree(step_dir / "data")
+    _largest_array_file(step_dir).unlink()
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (_truncate, "truncated"),
+    (lambda d: (d / ck.MANIFEST).unlink(), "no caper_manifest.json"),
+    (lambda d: (d / "state" / "_METADATA").unlink(), "state/_METADATA missing"),
+    (_half_written, "no caper_manifest.json"),
+])
+def test_resume_sets_a_damaged_step_aside_and_saves_over_it(three_checkpoints, caplog, damage, reason):
+    """The resumed run reaches the damaged step again: saving it must work (it raised
+    StepAlreadyExistsError at that step, every time), and the damaged files must survive."""
+    damage(three_checkpoints / "3")
+    damaged = _files(three_checkpoints / "3")
+    iterator = iter(grain.MapDataset.range(100).seed(0).shuffle().to_iter_dataset())
+    with caplog.at_level(logging.WARNING, logger="caper_jax.checkpoint"):
+        with ck.Checkpointer(three_checkpoints, max_to_keep=5) as ckpt:
+            restored = ckpt.restore_latest(ck.abstract_state(_state(0)), data_iterator=iterator)
+            assert restored.step == 2 and ckpt.all_steps() == [1, 2]
+            next(iterator)
+            ckpt.save(3, _state(30), data_iterator=iterator, config={"step": 30})
+            ckpt.wait()
+            assert ckpt.all_steps() == [1, 2, 3] and ckpt.verify(3) is None
+    (aside,) = three_checkpoints.glob("3.corrupt-*")
+    assert _files(aside) == damaged                     # set aside byte for byte, never deleted
+    (warning,) = caplog.records
+    assert reason in warning.getMessage() and f"set aside as {aside.name}" in warning.getMessage()
+    caplog.clear()
+    restored, _ = _restore(three_checkpoints, caplog)    # the new step 3 is the newest whole checkpoint
+    assert restored.step == 3 and restored.config == {"step": 30} and not caplog.records
+    np.testing.assert_array_equal(restored.state["w"], _state(30)["w"])
+    assert aside.is_dir()                               # and retention never removes the set-aside copy
+
+
+def test_a_deleted_orbax_step_metadata_file_alone_is_no_damage(three_checkpoints, caplog):
+    (three_checkpoints / "3" / "_CHECKPOINT_METADATA").unlink()   # orbax's own file: not an item, not checksummed
+    restored, _ = _restore(three_checkpoints, caplog)
+    assert restored.step == 3 and not list(three_checkpoints.glob("*.corrupt-*"))
+    np.testing.assert_array_equal(restored.state["w"], _state(3)["w"])
+
+
+def test_every_step_damaged_means_a_fresh_start_that_can_save_them_all_again(three_checkpoints, caplog):
+    for step in (1, 2, 3):
+        _truncate(three_checkpoints / str(step))
+    with caplog.at_level(logging.WARNING, logger="caper_jax.checkpoint"):
+        with ck.Checkpointer(three_checkpoints, max_to_keep=5) as ckpt:
+            assert ckpt.restore_latest(ck.abstract_state(_state(0))) is None
+            for step in (1, 2, 3):
+                ckpt.save(step, _state(step + 10))
+            ckpt.wait()
+            assert ckpt.all_steps() == [1, 2, 3]
+    assert len(caplog.records) == 3 and len(list(three_checkpoints.glob("*.corrupt-*"))) == 3
+
+
+def test_training_resumed_past_a_damaged_checkpoint_finishes_like_an_uninterrupted_run(tmp_path):
+    """End to end: the child loop saves 8 and 12 (keeping 2); step 12 is truncated; the rerun
+    falls back to 8, saves 12 again over the set-aside copy and ends with the reference's params."""
+    reference = finish_child(start_child(tmp_path / "ref", CHILD_STEPS))
+    finish_child(start_child(tmp_path / "run", CHILD_STEPS))
+    ckpt_dir = tmp_path / "run" / "ckpt"
+    assert sorted(int(p.name) for p in ckpt_dir.iterdir()) == [8, 12]
+    _truncate(ckpt_dir / "12")
+    resumed = finish_child(start_child(tmp_path / "run", CHILD_STEPS))
+    assert resumed[0] == "restored 8" and resumed[-1] == reference[-1] == f"step {CHILD_STEPS}"
+    assert len(list(ckpt_dir.glob("12.corrupt-*"))) == 1
+    with ck.Checkpointer(ckpt_dir) as ckpt:
+        assert ckpt.verify(12) is None
+    ref, got = np.load(tmp_path / "ref" / "final.npz"), np.load(tmp_path / "run" / "final.npz")
+    for name in ref.files:
+        np.testing.assert_array_equal(got[name], ref[name])
 
 
 def test_a_verified_checkpoint_that_does_not_fit_raises(three_checkpoints):

@@ -57,8 +57,8 @@ def test_known_wrong_predictions_score_zero(spider, dev, tmp_path, capsys):
 
 def test_majority_vote_ties_failures_and_summary(spider, dev, tmp_path):
     examples, present = dev
-    i, j, k, m, q = [i for i, e in enumerate(examples) if e["db_id"] == "concert_singer"][:5]
-    gold = {x: examples[x]["query"] for x in (i, j, k, m, q)}
+    i, j, k, m, q, r = [i for i, e in enumerate(examples) if e["db_id"] == "concert_singer"][:6]
+    gold = {x: examples[x]["query"] for x in (i, j, k, m, q, r)}
     assert gold[i] == "SELECT count(*) FROM singer"
     same_as_gold = "select COUNT(*)  from singer where 1"  # other text, same result: same vote
     records = [
@@ -67,14 +67,14 @@ def test_majority_vote_ties_failures_and_summary(spider, dev, tmp_path):
         {"index": k, "candidates": [gold[k], WRONG_ROWS]},  # tie: first bucket wins, right
         {"index": m, "candidates": [WRONG_ROWS, gold[m]]},  # tie: first bucket wins, wrong
         {"index": q, "candidates": [WRONG_ERROR, WRONG_ERROR + " "]},  # all fail: first, wrong
-        {"index": q, "pred": gold[q]},  # pred lines count in ex, not in mv
+        {"index": r, "pred": gold[r]},  # pred lines count in ex, not in mv
     ]
     out = tmp_path / "out.jsonl"
     summary = evaluate_ex(spider, "dev", write_lines(tmp_path / "p.jsonl", records), output=out,
                           report=lambda message: None)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["correct"] for r in rows] == [True, False, True, False, False, True]
-    assert [r["sql"] for r in rows] == [gold[i], WRONG_ROWS, gold[k], WRONG_ROWS, WRONG_ERROR, gold[q]]
+    assert [row["sql"] for row in rows] == [gold[i], WRONG_ROWS, gold[k], WRONG_ROWS, WRONG_ERROR, gold[r]]
     assert rows[4]["error"] == "runtime"
     assert summary["ex"] == pytest.approx(3 / 6) and summary["n"] == 6
     assert summary["mv"] == pytest.approx({"n": 5, "first": 1 / 5, "vote": 2 / 5, "any": 4 / 5})
@@ -97,7 +97,8 @@ def test_malformed_lines_are_reported_with_line_numbers_and_skipped(spider, dev,
            {"index": 0, "candidates": []}, {"index": 0, "candidates": ["SELECT 1", 3]},
            {"index": 0, "pred": 7}]
     reports = []
-    summary = evaluate_ex(spider, "dev", write_lines(tmp_path / "p.jsonl", [good, *bad, "", good]),
+    other = {"index": 1, "pred": examples[1]["query"]}
+    summary = evaluate_ex(spider, "dev", write_lines(tmp_path / "p.jsonl", [good, *bad, "", other]),
                           report=reports.append)
     assert summary["malformed"] == len(bad) and summary["n"] == 2 and summary["ex"] == 1.0
     assert [int(r.split(":")[1]) for r in reports] == list(range(2, 2 + len(bad)))
@@ -128,3 +129,19 @@ def test_bird_layout_with_sql_key_and_dev_databases(tmp_path):
     spider = evaluate_ex(root, "dev", predictions, semantics="spider", report=lambda message: None)
     assert bird == {"ex": 1.0, "n": 1, "excluded": {"missing_db": 1}, "malformed": 0}
     assert spider["ex"] == 0.0 and spider["n"] == 1
+
+
+def test_predictions_with_comments_are_graded_as_sqlite_runs_them(spider, dev, tmp_path):
+    examples, _ = dev
+    assert examples[0]["query"] == "SELECT count(*) FROM singer"
+    commented = ["SELECT count(*) FROM singer -- n", "SELECT count(*)\nFROM singer -- n\n",
+                 "SELECT count(*) -- c\nFROM singer", "SELECT count(*) FROM singer; /* c */",
+                 "/* lead */ SELECT count(*) FROM singer; -- c", "SELECT count(*) FROM singer /* it's -- */"]
+    predictions = write_lines(tmp_path / "p.jsonl", [{"index": 0, "candidates": commented}]
+                              + [{"index": i + 1, "pred": examples[i + 1]["query"] + " -- the gold, commented"}
+                                 for i in range(3)])
+    out = tmp_path / "out.jsonl"
+    summary = evaluate_ex(spider, "dev", predictions, output=out, report=lambda message: None)
+    assert summary["ex"] == 1.0 and summary["n"] == 4 and summary["mv"]["first"] == 1.0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["correct"] and "error" not in r for r in rows)

@@ -182,31 +182,38 @@ def test_hf_export_scores_like_the_workdir_and_other_checkpoints_are_refused(prm
 
 @pytest.fixture(scope="module")
 def spider_lines(spider):
-    """Candidates lines with known outcomes: (records, gold SQL set, expected counts)."""
+    """Candidates lines with known outcomes: (records, gold SQL set, expected counts).
+
+    Four databases, four questions each, one line per question (a repeated index is refused as a
+    duplicate), the k-th question of a database getting the k-th pattern below.
+    """
     from caper_jax.sql.mutations import inject_faults
     from caper_jax.sql.schema import Schema
 
     examples = json.loads((spider / "dev.json").read_text())
     present = {p.name for p in (spider / "database").iterdir()}
-    records, golds, used_dbs = [], set(), set()
+    records, golds, per_db = [], set(), {}
     for index, ex in enumerate(examples):
-        if ex["db_id"] not in present or ex["db_id"] in used_dbs or len(used_dbs) == 4:
+        db = ex["db_id"]
+        if db not in present or len(per_db.get(db, ())) == 4 or (db not in per_db and len(per_db) == 4):
             continue
-        path = spider / "database" / ex["db_id"] / f"{ex['db_id']}.sqlite"
+        path = spider / "database" / db / f"{db}.sqlite"
         with Executor(path) as executor:
-            negatives = inject_faults(ex["query"], executor, Schema.from_sqlite(path, ex["db_id"]), 2,
-                                      random.Random(index))
+            negatives = inject_faults(ex["query"], executor, Schema.from_sqlite(path, db), 2, random.Random(index))
         if len(negatives) < 2:
             continue
-        used_dbs.add(ex["db_id"])
-        golds.add(ex["query"])
-        wrong, wrong_2 = negatives[0].sql, negatives[1].sql
+        per_db.setdefault(db, []).append((index, ex["query"], negatives[0].sql, negatives[1].sql))
+    for db, questions in per_db.items():
+        assert len(questions) == 4, db
+        (a, gold_a, wrong_a, _), (b, gold_b, _, wrong_b), (c, gold_c, _, _), (d, gold_d, wrong_d, _) = questions
+        golds |= {gold_a, gold_b, gold_c, gold_d}
         records += [
-            {"index": index, "candidates": [wrong, ex["query"], GARBAGE]},  # first x, vote x (tie), PRM ok
-            {"index": index, "candidates": [ex["query"], wrong_2, wrong_2]},  # first ok, vote x, PRM ok
-            {"index": index, "candidates": [GARBAGE, GARBAGE_2]},  # all unparseable: first chosen, wrong
-            {"index": index, "candidates": [wrong]},  # one wrong candidate
+            {"index": a, "candidates": [wrong_a, gold_a, GARBAGE]},  # first x, vote x (tie), PRM ok
+            {"index": b, "candidates": [gold_b, wrong_b, wrong_b]},  # first ok, vote x, PRM ok
+            {"index": c, "candidates": [GARBAGE, GARBAGE_2]},  # all unparseable: first chosen, wrong
+            {"index": d, "candidates": [wrong_d]},  # one wrong candidate
         ]
+    used_dbs = per_db
     missing = next(i for i, e in enumerate(examples) if e["db_id"] not in present)
     records += [{"index": missing, "candidates": [examples[missing]["query"]]}, "not json",
                 {"index": len(examples), "candidates": ["SELECT 1"]}, {"index": 0, "candidates": []}]

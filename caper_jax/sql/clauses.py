@@ -107,7 +107,9 @@ def parse_tokens(tokens: list[Token], sql: str) -> exp.Query:
     if not tokens:
         raise SqlParseError("empty SQL")
     try:
-        statements = [s for s in _DIALECT.parser().parse(tokens, sql) if s is not None]
+        # A comment after the final ';' comes back as a bare Semicolon statement: not a statement.
+        statements = [s for s in _DIALECT.parser().parse(tokens, sql)
+                      if s is not None and not isinstance(s, exp.Semicolon)]
     except SqlglotError as error:
         raise SqlParseError(f"cannot parse SQL: {error}") from error
     if len(statements) != 1:

@@ -12,8 +12,15 @@ Model-written SQL is untrusted. Defence in depth, each layer checked by tests/sq
 5. exactly one statement per call (sqlite3 refuses stacked statements).
 
 Results are cached by (database, normalised SQL): the annotator re-executes the same gold query once
-per mutation and GRPO groups repeat candidates. Normalisation only strips a trailing ``;`` and
-collapses whitespace outside quotes, which never changes meaning.
+per mutation and GRPO groups repeat candidates. Normalisation removes comments (``-- ...`` to the
+end of the line, ``/* ... */``, an unterminated ``/*`` to the end of the text, as SQLite reads
+them), drops trailing ``;`` and collapses whitespace outside quotes, which never changes meaning.
+Comments are found by sqlglot's tokenizer, never by folding text: a ``--`` inside a string or
+quoted identifier is text, and a comment cannot swallow the lines after it. The normalised text is
+what SQLite runs.
+
+Ctrl-C is never swallowed: SIGINT during a query makes SQLite abort it (through the progress
+handler), and ``execute`` raises KeyboardInterrupt instead of reporting an error or a timeout.
 
 Equivalence follows the official evaluators: ``spider`` is test-suite-sql-eval's ``result_eq``
 (bag of rows, or ordered list when the gold query has ORDER BY; any column permutation; no float
@@ -31,6 +38,10 @@ import sqlite3
 import time
 from typing import Literal
 
+from sqlglot.dialects.sqlite import SQLite
+from sqlglot.errors import SqlglotError
+from sqlglot.tokens import TokenType
+
 ErrorKind = Literal["parse", "forbidden", "timeout", "too_many_rows", "runtime", "missing_db",
                     "empty", "decode"]
 Semantics = Literal["spider", "bird"]
@@ -45,6 +56,13 @@ _MAX_VALUE_BYTES = 16 * 2**20
 _QUOTED = re.compile(r"('[^']*(?:''[^']*)*'|\"[^\"]*(?:\"\"[^\"]*)*\"|`[^`]*(?:``[^`]*)*`|\[[^\]]*\])")
 _SPACE = re.compile(r"\s+")
 _ORDER_BY = re.compile(r"\border\s+by\b", re.IGNORECASE)
+_DIALECT = SQLite()
+# What may lie between two tokens: whitespace and comments, nothing else (else the tokenizer skipped
+# text SQLite would read, and normalisation leaves the SQL as written).
+# (Each alternative starts with its own character and a comment ends at its first */, so there is
+# only one way to match: no backtracking blow-up, no comment spanning two.)
+_GAP = re.compile(r"(?:\s|--[^\n]*\n|/\*(?:[^*]|\*(?!/))*\*/)*")
+_TAIL = re.compile(r"(?:\s|--[^\n]*(?:\n|\Z)|/\*(?:[^*]|\*(?!/))*(?:\*/|\Z))*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,15 +78,53 @@ class ExecResult:
 
 
 def normalize_sql(sql: str) -> str:
-    """Whitespace-collapsed SQL without a trailing ';' (quoted text untouched): the cache key."""
+    """SQL without comments or trailing ';', whitespace collapsed outside quotes: what runs, and the cache key."""
+    if "--" in sql or "/*" in sql:
+        stripped = _strip_comments(sql)
+        if stripped is not None:
+            return stripped
+        return sql.strip()  # not tokenizable (e.g. an unterminated string): SQLite reports it as written
     parts = _QUOTED.split(sql)
     parts[::2] = [_SPACE.sub(" ", part) for part in parts[::2]]
     return "".join(parts).strip().rstrip(";").strip()
 
 
+def _strip_comments(sql: str) -> str | None:
+    """The tokens of ``sql`` joined by what lay between them: '' if nothing, else one space.
+
+    Trailing ``;`` tokens are dropped. None when sqlglot cannot tokenize the text or skipped
+    anything but whitespace and comments between two tokens.
+    """
+    try:
+        tokens = _DIALECT.tokenize(sql)
+    except SqlglotError:
+        if sql.endswith("/*"):  # SQLite reads a final "/*" as "/" "*", not as a comment
+            return None
+        try:  # SQLite lets a /* comment run to the end of the text; sqlglot needs it closed
+            tokens = _DIALECT.tokenize(sql + "*/")
+        except SqlglotError:
+            return None
+    while tokens and tokens[-1].token_type == TokenType.SEMICOLON:
+        tokens = tokens[:-1]
+    pieces: list[str] = []
+    position = 0
+    for token in tokens:
+        if token.end >= len(sql) or not _GAP.fullmatch(sql[position:token.start]):
+            return None
+        if token.start > position and pieces:
+            pieces.append(" ")
+        pieces.append(sql[token.start:token.end + 1])
+        position = token.end + 1
+    # After the last token: whitespace, comments and the dropped semicolons; a -- or /* comment may
+    # run to the end of the text.
+    if not _TAIL.fullmatch(sql[position:].replace(";", " ")):
+        return None
+    return "".join(pieces)
+
+
 def order_matters(gold_sql: str) -> bool:
-    """Spider's rule: compare in order iff the gold SQL contains ORDER BY (anywhere)."""
-    return _ORDER_BY.search(gold_sql) is not None
+    """Spider's rule: compare in order iff the gold SQL contains ORDER BY (anywhere but in a comment)."""
+    return _ORDER_BY.search(normalize_sql(gold_sql)) is not None
 
 
 def _authorizer(action: int, arg1, arg2, db_name, trigger) -> int:
@@ -84,11 +140,21 @@ def _decode_text(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
+class NotADatabaseError(ValueError):
+    """The database path names a file that is not a SQLite database (text, empty, an LFS pointer)."""
+
+
 def open_readonly(db_path: str | os.PathLike) -> sqlite3.Connection:
-    """A sandboxed connection (layers 1-3 of the module docstring). Raises FileNotFoundError."""
+    """A sandboxed connection (layers 1-3 of the module docstring).
+
+    Raises FileNotFoundError (no such file) or NotADatabaseError (not a SQLite file).
+    """
     path = pathlib.Path(db_path).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"database not found: {path}")
+    with open(path, "rb") as f:
+        if f.read(16) != b"SQLite format 3\x00":
+            raise NotADatabaseError(f"{path} is not a SQLite database (no 'SQLite format 3' header)")
     # Serialised use from several threads is fine (Grain may hand work between threads);
     # concurrent use of one Executor is not (its deadline and cache are per executor).
     connection = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, check_same_thread=False,
@@ -121,6 +187,7 @@ class Executor:
         self.sqlite_seconds = 0.0  # time spent inside SQLite (execute + fetch), for benchmarks
         self._cache: collections.OrderedDict[str, ExecResult] = collections.OrderedDict()
         self._deadline = 0.0
+        self._timed_out = False  # set by the progress handler when it aborts a query for its deadline
         self._closed = False
         try:
             self._connection: sqlite3.Connection | None = open_readonly(self.db_path)
@@ -130,7 +197,10 @@ class Executor:
             self._connection.set_progress_handler(self._past_deadline, _PROGRESS_STEPS)
 
     def _past_deadline(self) -> int:
-        return 1 if time.monotonic() > self._deadline else 0
+        if time.monotonic() > self._deadline:
+            self._timed_out = True
+            return 1
+        return 0
 
     def close(self) -> None:
         self._closed = True
@@ -177,7 +247,7 @@ class Executor:
             return ExecResult(error_kind="decode", error=f"SQL is not valid Unicode: {error}")
         if "\x00" in sql:  # sqlite3 refuses it with a ValueError; a sampled completion can hold one
             return ExecResult(error_kind="parse", error="SQL contains a NUL character")
-        if not sqlite3.complete_statement(sql + ";"):
+        if not sqlite3.complete_statement(sql + "\n;"):  # "\n": a -- comment must not hide the ';'
             return ExecResult(error_kind="parse", error="incomplete SQL statement")
         try:
             return self._query(sql)
@@ -193,6 +263,7 @@ class Executor:
     def _query(self, sql: str) -> ExecResult:
         start = time.monotonic()
         self._deadline = start + self.timeout_s
+        self._timed_out = False
         cursor = self._connection.cursor()
         try:
             cursor.execute(sql)
@@ -204,8 +275,11 @@ class Executor:
         except sqlite3.DatabaseError as error:
             if str(error).startswith("Could not decode to UTF-8"):
                 raise _NotUtf8 from error
-            return ExecResult(error_kind=_classify(error, time.monotonic() > self._deadline),
-                              error=str(error))
+            if "interrupted" in str(error).lower() and not self._timed_out:
+                # Only the progress handler interrupts, and it did not time out: a signal handler
+                # raised inside it (Ctrl-C), and sqlite3 swallowed that exception. Re-raise it.
+                raise KeyboardInterrupt(f"SQLite query interrupted: {sql[:80]}") from error
+            return ExecResult(error_kind=_classify(error, self._timed_out), error=str(error))
         except (OverflowError, MemoryError, ValueError) as error:
             return ExecResult(error_kind="runtime", error=f"{type(error).__name__}: {error}")
         finally:
@@ -353,5 +427,5 @@ def results_equal(gold: ExecResult, pred: ExecResult, *, semantics: Semantics = 
     return False
 
 
-__all__ = ["ErrorKind", "ExecResult", "Executor", "Executors", "database_dirs_of", "find_database", "normalize_sql",
-           "open_readonly", "order_matters", "results_equal"]
+__all__ = ["ErrorKind", "ExecResult", "Executor", "Executors", "NotADatabaseError", "database_dirs_of", "find_database",
+           "normalize_sql", "open_readonly", "order_matters", "results_equal"]

@@ -216,3 +216,94 @@ def test_closed_executor_raises_instead_of_blaming_the_sql(db_copy):
     executor.close()
     with pytest.raises(RuntimeError, match="closed"):
         executor.execute("SELECT 1")
+
+
+# -- comments: removed by sqlglot's tokenizer, never by folding text; SQLite's own result is the reference
+
+COMMENTED = [
+    "SELECT count(*) FROM singer -- n",                                  # trailing -- comment
+    "SELECT count(*)\nFROM singer -- n\n",                               # multi-line, trailing comment
+    "SELECT count(*) -- how many\nFROM singer\nWHERE age > 30 -- older\n",  # comments between clauses
+    "SELECT count(*) FROM singer; /* c */",                              # comment-only trailer after ;
+    "SELECT count(*) FROM singer; -- c",
+    "SELECT count(*) FROM singer /* c */;",
+    "SELECT count(*) /* a */ FROM /* b */ singer -- c\n;",
+    "SELECT count(*)/*x*/FROM singer",                                   # no spaces around the comment
+    "SELECT name FROM singer WHERE name = 'Joe Sharp' -- it's a quote\nOR name = 'Rose White'",
+    "SELECT name FROM singer /* it's \"quoted\" -- */ WHERE age > 40",     # quotes and -- inside /* */
+    "SELECT '--not a comment', '/* nor this */' FROM singer",             # comment markers inside strings
+    "SELECT \"--x\" FROM (SELECT 1 AS \"--x\")",                          # ... and inside identifiers
+    "SELECT [a--b] FROM (SELECT 2 AS [a--b])",
+    "SELECT 2--1",                                                       # -- right after a token
+    "SELECT 2/*x*/-1",
+    "SELECT count(*) FROM singer /* unterminated: SQLite runs to the end",
+    "SELECT 1 -- x\r\n, 2",                                              # CRLF ends a -- comment
+    "SELECT name FROM singer WHERE name = 'a /* b' -- c\n OR 1 = 1",
+]
+
+
+@pytest.mark.parametrize("sql", COMMENTED)
+def test_comments_are_what_sqlite_says_they_are(db_copy, sql):
+    with sqlite3.connect(f"file:{db_copy}?mode=ro", uri=True) as connection:
+        expected = connection.execute(sql).fetchall()
+    with Executor(db_copy) as executor:
+        result = executor.execute(sql)
+    assert result.ok, (sql, result)
+    assert list(result.rows) == expected
+    normalized = normalize_sql(sql)
+    assert "--" not in normalized.replace("'--not a comment'", "").replace('"--x"', "").replace("[a--b]", "")
+
+
+def test_comment_normalisation_keeps_text_and_refuses_what_sqlite_refuses(db_copy):
+    assert normalize_sql("SELECT a -- c\nFROM t /* d */ WHERE x = '-- kept'  ;  -- e") == \
+        "SELECT a FROM t WHERE x = '-- kept'"
+    assert normalize_sql("-- only a comment\n/* and another */") == ""
+    with Executor(db_copy) as executor:
+        assert executor.execute("-- only a comment").error_kind == "empty"
+        assert executor.execute("SELECT 'open -- string").error_kind == "parse"
+        assert executor.execute("SELECT 1 /*").error_kind == "parse"          # SQLite: "/" "*" at the end
+        assert executor.execute("SELECT 1; SELECT 2 -- two").error_kind == "forbidden"
+        # One cache entry for the query with and without its comments.
+        assert executor.execute("SELECT count(*) FROM singer -- n") is executor.execute("SELECT count(*) FROM singer")
+    assert order_matters("SELECT a FROM t ORDER BY a -- c")
+    assert not order_matters("SELECT a FROM t -- ORDER BY a")
+
+
+def test_trailing_comments_do_not_make_a_second_statement():
+    from caper_jax.sql.clauses import split_clauses
+
+    for trailer in ("; /* c */", "; -- c", " -- c", "; -- c\n; /* d */"):
+        units = split_clauses("SELECT name FROM singer WHERE age > 30" + trailer)
+        assert [u.name for u in units] == ["SELECT", "FROM", "WHERE"]
+    with pytest.raises(ValueError, match="expected one statement, got 2"):
+        split_clauses("SELECT 1; SELECT 2")
+
+
+def test_ctrl_c_inside_a_query_raises_keyboard_interrupt_and_is_not_cached(db_copy):
+    import signal
+    import threading
+
+    endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+    with Executor(db_copy, timeout_s=60) as executor:
+        timer = threading.Timer(0.5, signal.raise_signal, (signal.SIGINT,))  # delivered to the main thread
+        timer.start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt, match="SQLite query interrupted"):
+            executor.execute(endless)
+        assert time.monotonic() - start < 10
+        timer.join()
+        # A real timeout is still a timeout, and the interrupted query was not cached as anything.
+        short = Executor(db_copy, timeout_s=0.2)
+        assert short.execute(endless).error_kind == "timeout"
+        short.close()
+        assert executor.execute("SELECT count(*) FROM singer").rows == ((6,),)
+
+
+def test_a_file_that_is_not_a_database_is_refused(tmp_path):
+    from caper_jax.sql.execution import NotADatabaseError
+
+    (tmp_path / "text.sqlite").write_text("version https://git-lfs.github.com/spec/v1\n")
+    (tmp_path / "empty.sqlite").touch()
+    for name in ("text.sqlite", "empty.sqlite"):
+        with pytest.raises(NotADatabaseError, match="not a SQLite database"):
+            Executor(tmp_path / name)
