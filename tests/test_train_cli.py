@@ -20,6 +20,7 @@ def run_train(*args: str, tmp_path) -> subprocess.CompletedProcess:
     (["--config=configs/prm.py", "--config.data.kind=bird"], "data.kind='bird'; expected 'demo' or 'spider'"),
     (["--config=configs/prm.py", "--config.loss.form=hinge"], "loss form 'hinge'"),
     (["--config=configs/prm.py", "--config.loss.lm_coef=-1"], "lm_coef must be >= 0, got -1.0"),
+    (["--config=configs/prm.py", "--config.data.batch_size=0"], "data.batch_size=0 and data.eval_batch_size=32 must be >= 1"),
     (["--config=configs/prm.py", "--config.data.within_batch_size=-4"],
      "data.within_batch_size=-4 must be >= 0"),
     (["--config=configs/prm.py", "--config.data.counterfactual_repeat=0"],

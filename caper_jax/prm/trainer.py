@@ -126,6 +126,10 @@ def validate(config) -> None:
     buckets = tuple(config.data.bucket_lengths)
     if list(buckets) != sorted(buckets) or buckets[-1] > config.data.max_len:
         raise ValueError(f"data.bucket_lengths={buckets} must be increasing and <= data.max_len")
+    if config.data.batch_size < 1 or config.data.eval_batch_size < 1:
+        # Caught here, not after minutes of annotation.
+        raise ValueError(f"data.batch_size={config.data.batch_size} and data.eval_batch_size="
+                         f"{config.data.eval_batch_size} must be >= 1")
     if config.data.within_batch_size < 0 or config.data.within_batch_size % jax.process_count():
         raise ValueError(f"data.within_batch_size={config.data.within_batch_size} must be >= 0 and a "
                          f"multiple of the process count {jax.process_count()}")

@@ -119,7 +119,8 @@ def parse(sql: str) -> exp.Expression:
         trees = sqlglot.parse(sql, read=DIALECT)
     except SqlglotError as e:
         raise CanonicalizeError(str(e)) from e
-    trees = [t for t in trees if t is not None]
+    # A comment after the final ';' parses as a bare Semicolon statement: not a second query.
+    trees = [t for t in trees if t is not None and not isinstance(t, exp.Semicolon)]
     if len(trees) != 1 or not isinstance(trees[0], exp.Query):
         raise CanonicalizeError(f"expected one SELECT query, got {len(trees)} statement(s): {sql!r}")
     return trees[0]

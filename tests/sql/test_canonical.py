@@ -205,3 +205,10 @@ def test_root_cause_is_highest_then_leftmost_edited_node():
     script = edit_script(source, tree("r", tree("P"), tree("Q")))
     assert script.root_cause is source.children[0]
     assert edit_script(source, tree("r", tree("p"), tree("q"))).root_cause is None
+
+
+def test_a_comment_after_the_final_semicolon_is_not_a_second_statement():
+    # sqlglot parses the trailer as a bare Semicolon; SQLite runs the query.
+    assert canon.parse("SELECT name FROM singer; -- done").sql() == canon.parse("SELECT name FROM singer").sql()
+    with pytest.raises(canon.CanonicalizeError):
+        canon.parse("SELECT 1; SELECT 2")
