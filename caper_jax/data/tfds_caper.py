@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 from collections.abc import Iterator
@@ -36,7 +37,10 @@ import tensorflow_datasets as tfds
 from tqdm import tqdm
 
 from caper_jax.data import spider as readers
+from caper_jax.utils.jsonl import LineError, read_json_lines
 from caper_jax.sql.tuples import AnnotationSettings, Annotator, PreferenceTuple
+
+log = logging.getLogger("caper_jax")
 
 _TEXT_FIELDS = tuple(f.name for f in dataclasses.fields(PreferenceTuple) if f.name != "margin")
 
@@ -60,8 +64,15 @@ def read_trajectories(manual_dir: str | os.PathLike, split: str, *, predictions:
     out = [{"question": ex.question, "db_id": ex.db_id, "gold": ex.query} for ex in examples[:limit or None]]
     pred_path = pathlib.Path(manual_dir) / f"predictions_{split}.jsonl"
     if predictions and pred_path.is_file():
-        with pred_path.open() as f:
-            lines = [json.loads(line) for line in f if line.strip()]
+        lines = []
+        # One bad line is only that line (as in every command that reads JSON lines): skipped with
+        # its number, never ending the build nor read back with U+FFFD in place of its bytes.
+        for number, value in read_json_lines(pred_path):
+            if isinstance(value, LineError) or not isinstance(value, dict):
+                why = value if isinstance(value, LineError) else f"a JSON {type(value).__name__}, not an object"
+                log.warning("%s line %d skipped: %s", pred_path, number, why)
+                continue
+            lines.append(value)
         out.extend(lines[:limit or None])
     return out
 

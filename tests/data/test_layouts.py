@@ -185,3 +185,17 @@ def test_evaluate_ex_on_the_bird_fixture_reads_sql_keys_and_both_folders(layouts
                                        for i, e in enumerate(records)))
         summary = evaluate_ex(b, split, predictions, semantics="bird", report=lambda message: None)
         assert summary == {"ex": 1.0, "n": len(records), "excluded": {}, "malformed": 0}
+
+
+def test_a_bad_predictions_line_is_skipped_with_its_number(tmp_path, caplog):
+    from caper_jax.data.tfds_caper import read_trajectories
+
+    (tmp_path / "dev.json").write_text(json.dumps([{"question": "q", "db_id": "d", "query": "SELECT 1"}]))
+    good = {"question": "q", "db_id": "d", "gold": "SELECT 1", "pred": "SELECT 2"}
+    (tmp_path / "predictions_dev.jsonl").write_bytes(
+        b"{not json\n" + json.dumps(good).encode() + b'\n"\\ud800"\n[1]\n\xff\xfe\n')
+    with caplog.at_level("WARNING", logger="caper_jax"):
+        got = read_trajectories(tmp_path, "dev")
+    assert got == [{"question": "q", "db_id": "d", "gold": "SELECT 1"}, good]
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert [m.split(" line ")[1].split(" ")[0] for m in skipped] == ["1", "3", "4", "5"]
