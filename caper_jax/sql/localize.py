@@ -251,6 +251,18 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
     kept: list[Position] = []
     also: list[Position] = []           # kept clauses the corrected query repairs all the same
     verified: exp.Expression | None = None
+
+    def fallback(candidates: list[Position]) -> _Walk:
+        # The canonical comparison names the root among ``candidates``; a prediction that reads
+        # gold's tables through subqueries is first tried with gold's FROM (verified:restructured).
+        root = canonical_root(gold_slots, pred_slots, candidates)
+        restructured = _restructured_root(root, gold, pred, divergent[i:], executor, gold_result,
+                                          semantics, ordered, schema)
+        if restructured is not None:
+            return _Walk(restructured, tuple(kept), None, "verified:restructured",
+                         tuple(also) + (Position("FROM"),))
+        return _Walk(root, tuple(kept), verified, "canonical_fallback:hybrid_fails", tuple(also))
+
     i = 0
     while i < len(divergent):
         position = divergent[i]
@@ -275,13 +287,7 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
         if result is None:
             # No hybrid that keeps this clause runs (a join rewritten as a subquery, scopes that
             # do not line up): the canonical comparison decides among the clauses left.
-            root = canonical_root(gold_slots, pred_slots, divergent[i:])
-            restructured = _restructured_root(root, gold, pred, divergent[i:], executor, gold_result,
-                                              semantics, ordered, schema)
-            if restructured is not None:
-                return _Walk(restructured, tuple(kept), None, "verified:restructured",
-                             tuple(also) + (Position("FROM"),))
-            return _Walk(root, tuple(kept), verified, "canonical_fallback:hybrid_fails", tuple(also))
+            return fallback(divergent[i:])
         if _same_answer(gold.tree, gold_result, result, executor, semantics, ordered):
             kept.extend(divergent[i:j + 1])
             verified = hybrid
@@ -309,13 +315,7 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
             return _Walk(position, tuple(kept), verified, "verified", tuple(also))
         # Kept together the clauses change the answer, alone they do not run: which of them is
         # to blame is the canonical comparison's call.
-        root = canonical_root(gold_slots, pred_slots, divergent[i:j + 1])
-        restructured = _restructured_root(root, gold, pred, divergent[i:], executor, gold_result,
-                                          semantics, ordered, schema)
-        if restructured is not None:
-            return _Walk(restructured, tuple(kept), None, "verified:restructured",
-                         tuple(also) + (Position("FROM"),))
-        return _Walk(root, tuple(kept), verified, "canonical_fallback:hybrid_fails", tuple(also))
+        return fallback(divergent[i:j + 1])
     raise AssertionError("unreachable: the last divergent clause is always the root")
 
 
