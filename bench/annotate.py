@@ -269,8 +269,8 @@ def main() -> None:
             print(f"reasons {verified['reasons']}; suspects {verified['suspects']}")
     load.finish()
     for w, r in runs.items():   # the same-run ratios, marked when the machine was not quiet
-        print(f"annotation / floor, {w} worker(s): per tuple {load.mark(format(r['x_floor_per_tuple'], '.2f'))}x, "
-              f"per gold query {load.mark(format(r['x_floor_per_query'], '.2f'))}x")
+        print(f"annotation / floor, {w} worker(s): per tuple {load.mark(format(r['x_floor_per_tuple'], '.2f') + 'x')}, "
+              f"per gold query {load.mark(format(r['x_floor_per_query'], '.2f') + 'x')}")
     print(json.dumps({"floor": best_floor, "runs": runs, "real": real, "compiled": compiled,
                       "repeats": args.repeats, "load": load.as_dict()}))
 
