@@ -199,7 +199,7 @@ def prepare_data(config: ConfigDict, out: pathlib.Path) -> tuple[pathlib.Path, s
 def sample_train_questions(config: ConfigDict, data_dir: pathlib.Path, policy_dir: pathlib.Path,
                            out_path: pathlib.Path) -> int:
     """k samples per training question of the SFT policy (no greedy decode) -> prediction records."""
-    from caper_jax.data.prompts import policy_prompt
+    from caper_jax.sql.contract import policy_prompt
     from caper_jax.eval import policy as policy_lib
     from caper_jax.parallel import mesh as mesh_lib
     from caper_jax.sql.execution import Executors
@@ -771,7 +771,7 @@ def build_spider_view(config: ConfigDict, view: pathlib.Path) -> dict:
     train_no_db/train_spider_questions.json); dev.json = the dev questions whose database is present
     (a seeded subset of ``data.dev_questions``), each with ``source_index``, its line in the systems'
     files; and a byte-level BPE tokenizer trained on the training prompts + SQL only."""
-    from caper_jax.data.prompts import policy_prompt, serialize_schema
+    from caper_jax.sql.contract import policy_prompt, serialize_schema
     from caper_jax.data.spider import load_schemas
     from caper_jax.data.tokenizer import SPECIAL_TOKENS, SQL_WORDS, build_demo_tokenizer
 

@@ -51,7 +51,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from caper_jax.data.prompts import serialize_schema
+from caper_jax.sql.contract import serialize_schema
 from caper_jax.data.spider import DataError, MissingDatabaseError, db_path, load_schemas, load_split
 from caper_jax.sql.semantics import SEMANTICS, check_semantics
 from caper_jax.evaluate_ex import (DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, PredictionError, grade_predictions,

@@ -123,8 +123,8 @@ def test_batched_scores_equal_one_forward_per_clause_prefix(prm_run, scorer):
     import jax
     import jax.numpy as jnp
 
-    from caper_jax.data.prompts import END_OF_SQL, prm_prompt, serialize_schema
     from caper_jax.data.spider import load_schemas
+    from caper_jax.sql.contract import END_OF_SQL, prm_prompt, serialize_schema
 
     world = prm_run / "demo_world"
     schemas = {db: serialize_schema(entry) for db, entry in load_schemas(world).items()}
@@ -325,7 +325,7 @@ class OracleScorer:
 
     def score_queries(self, rows):
         from caper_jax.prm import localization as loc
-        from caper_jax.prm.evaluation import CLAUSE_ORDER
+        from caper_jax.sql.contract import CLAUSE_ORDER
 
         out = []
         for row in rows:

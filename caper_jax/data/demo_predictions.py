@@ -52,9 +52,9 @@ from sqlglot.dialects.sqlite import SQLite
 from sqlglot.tokens import TokenType
 
 from caper_jax.data.demo_schemas import DemoSchema
+from caper_jax.sql.contract import CLAUSE_NAMES
 
 _DIALECT = SQLite()
-CLAUSE_ORDER = ("SELECT", "FROM", "WHERE", "GROUP BY", "HAVING", "ORDER BY", "LIMIT")
 _ARG_CLAUSE = {"expressions": "SELECT", "distinct": "SELECT", "from_": "FROM", "joins": "FROM",
                "where": "WHERE", "group": "GROUP BY", "having": "HAVING", "order": "ORDER BY",
                "limit": "LIMIT", "offset": "LIMIT"}
@@ -226,14 +226,14 @@ def clause_of(node: exp.Expression) -> str:
 
 def clause_rank(tree: exp.Expression, clause: str) -> int:
     """Written position of a clause unit: first SELECT's clauses, then compound operators in order."""
-    if clause in CLAUSE_ORDER:
-        return CLAUSE_ORDER.index(clause)
+    if clause in CLAUSE_NAMES:
+        return CLAUSE_NAMES.index(clause)
     operators = []
     node = tree
     while isinstance(node, exp.SetOperation):
         operators.append(_compound_name(node))
         node = node.this
-    return len(CLAUSE_ORDER) + operators[::-1].index(clause)
+    return len(CLAUSE_NAMES) + operators[::-1].index(clause)
 
 
 # ----------------------------------------------------------------------------- mistakes
@@ -459,7 +459,7 @@ def _select_edits(select: exp.Select, info: SchemaInfo, values: ValueSource, rng
     op = exp.EQ if isinstance(value, str) else rng.choice([exp.GT, exp.LT])
     condition = op(this=column, expression=_literal(value))
     clause = clause_of(projections[0])
-    clause = clause if clause not in CLAUSE_ORDER else "WHERE"
+    clause = clause if clause not in CLAUSE_NAMES else "WHERE"
 
     def extend(node: exp.Expression) -> None:
         where = node.args.get("where")
@@ -891,7 +891,7 @@ class Predictor:
         wrong_rows = execute(self.conn, render(wrong))
         for name in rng.sample(list(HARMLESS_KINDS), len(HARMLESS_KINDS)):
             rewrite, touched = HARMLESS_KINDS[name]
-            if not all(clause_rank(tree, root) > clause_rank(tree, c) for c in touched if c in CLAUSE_ORDER):
+            if not all(clause_rank(tree, root) > clause_rank(tree, c) for c in touched if c in CLAUSE_NAMES):
                 continue
             new_gold, new_wrong = rewrite(tree, self.info), rewrite(wrong, self.info)
             if new_gold is None or new_wrong is None or render(new_gold) == render(tree):

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -56,7 +55,7 @@ from typing import Any, Protocol
 import grain
 import numpy as np
 
-from caper_jax.data.prompts import END_OF_SQL, prm_prompt
+from caper_jax.sql.contract import CLAUSE_IDS, END_OF_SQL, prm_prompt
 
 REQUIRED_KEYS = (
     "question", "schema", "clause", "prefix_chosen", "chosen", "prefix_rejected", "rejected", "margin",
@@ -68,11 +67,6 @@ BATCH_KEYS = (
 GROUP_KEYS = ("group_ids", "group_mask", "group_pos", "group_margin", "group_weight")
 WITHIN_PROVENANCE = "within:"
 GROUP_SLOT_MULTIPLE = 8   # group_pos/group_margin widths are rounded up to this (few shapes for jit)
-# clause_id: index into caper_jax.sql.clauses.CLAUSE_NAMES (0..6); every compound operator unit
-# (UNION, UNION ALL, INTERSECT, EXCEPT) shares COMPOUND_CLAUSE_ID; a WITH unit gets WITH_CLAUSE_ID.
-COMPOUND_CLAUSE_ID = 7
-WITH_CLAUSE_ID = 8
-NUM_CLAUSE_IDS = 9
 
 PromptFn = Callable[[str, str], str]
 
@@ -198,23 +192,13 @@ class Records:
         return decode_record(self.source[index], index)
 
 
-@functools.cache
-def _clause_ids() -> dict[str, int]:
-    from caper_jax.sql.clauses import CLAUSE_NAMES, COMPOUND_NAMES, WITH_NAME  # sql/ never imports jax
-
-    ids = {name: i for i, name in enumerate(CLAUSE_NAMES)}
-    ids.update({name: COMPOUND_CLAUSE_ID for name in COMPOUND_NAMES})
-    ids[WITH_NAME] = WITH_CLAUSE_ID
-    return ids
-
-
 def clause_id(name: str, index: int = -1) -> int:
-    """Index of a clause unit name (case and inner whitespace ignored); RecordError if unknown."""
+    """``CLAUSE_IDS`` of a clause unit name (case and inner whitespace ignored); RecordError if unknown."""
     key = " ".join(name.upper().split())
     try:
-        return _clause_ids()[key]
+        return CLAUSE_IDS[key]
     except KeyError:
-        raise RecordError(f"record {index}: unknown clause name {name!r}; known: {sorted(_clause_ids())}") from None
+        raise RecordError(f"record {index}: unknown clause name {name!r}; known: {sorted(CLAUSE_IDS)}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -762,7 +746,7 @@ def candidate_contrasts(records: Iterable[Mapping[str, Any]], annotator: Any, ta
     from caper_jax.sql.clauses import SqlParseError
     from caper_jax.sql.localize import GoldError, localize
     from caper_jax.sql.tuples import Context, aligned_tuples, tables_entry
-    from caper_jax.data.prompts import serialize_schema
+    from caper_jax.sql.contract import serialize_schema
 
     s = annotator.settings
     tables = dict(tables or {})

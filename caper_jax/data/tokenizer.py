@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerFast
 
 from caper_jax.data.demo_schemas import tables_json_entry
 from caper_jax.data.demo_world import DEFAULT_TRAIN_SIZE, generate_examples, open_databases
-from caper_jax.data.prompts import policy_prompt, serialize_schema
+from caper_jax.sql.contract import policy_prompt, serialize_schema
 
 PAD, EOT, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD, EOT, IM_START, IM_END)

@@ -262,7 +262,7 @@ def usable_examples(data_dir: pathlib.Path, split: str, schema_values: int, exec
 
 def run(config, workdir: str | pathlib.Path) -> dict:
     """Loads policy (and PRM), decodes, scores, writes results.json, results.md, predictions.jsonl."""
-    from caper_jax.data.prompts import policy_prompt
+    from caper_jax.sql.contract import policy_prompt
     from caper_jax.eval import report
     from caper_jax.parallel import mesh as mesh_lib
     from caper_jax.prm.scoring import load_scorer

@@ -12,7 +12,8 @@ import pathlib
 
 import numpy as np
 
-from caper_jax.prm.evaluation import CLAUSE_ORDER, confusion_table, localization_table
+from caper_jax.prm.evaluation import confusion_table, localization_table
+from caper_jax.sql.contract import CLAUSE_ORDER
 from caper_jax.utils.monitoring import plot_bars
 
 

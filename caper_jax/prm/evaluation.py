@@ -22,19 +22,14 @@ import jax
 import numpy as np
 
 from caper_jax.data import prm_pipeline as pipe_lib
-from caper_jax.data.prompts import serialize_schema
 from caper_jax.data.spider import load_schemas
 from caper_jax.parallel import multihost
 from caper_jax.prm import localization as loc
-from caper_jax.sql.clauses import CLAUSE_NAMES, COMPOUND_NAMES, WITH_NAME, SqlParseError, split_clauses
+from caper_jax.sql.clauses import SqlParseError, split_clauses
+from caper_jax.sql.contract import CLAUSE_ORDER, serialize_schema
 from caper_jax.sql.localize import GoldError, localize
 from caper_jax.sql.tuples import Annotator
 from caper_jax.utils.monitoring import plot_bars
-
-# Written order used to place a missing root clause (see localization.true_index_for).
-CLAUSE_ORDER = (WITH_NAME, *CLAUSE_NAMES[:5], *COMPOUND_NAMES, *CLAUSE_NAMES[5:])
-ID_TO_CLAUSE = {**{i: n for i, n in enumerate(CLAUSE_NAMES)}, pipe_lib.COMPOUND_CLAUSE_ID: "compound",
-                pipe_lib.WITH_CLAUSE_ID: WITH_NAME}
 
 
 def fetch(x) -> np.ndarray:

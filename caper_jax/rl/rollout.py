@@ -221,7 +221,7 @@ def greedy_ex(model, tokenizer, examples, executors: Executors, *, max_prompt_le
 
     Examples whose gold SQL fails to execute are excluded and counted under ``excluded``.
     """
-    from caper_jax.data.prompts import policy_prompt
+    from caper_jax.sql.contract import policy_prompt
 
     usable, excluded = [], 0
     for ex in examples:

@@ -323,7 +323,7 @@ def reward_config(config) -> rollout_lib.RewardConfig:
 
 def run(config, workdir: str) -> dict:
     started = time.perf_counter()
-    from caper_jax.data.prompts import policy_prompt
+    from caper_jax.sql.contract import policy_prompt
     from caper_jax.data.world import prepare_world
     from caper_jax.sql.execution import Executors
 

@@ -29,7 +29,7 @@ import grain
 import numpy as np
 
 from caper_jax.data import prm_pipeline as pipe_lib
-from caper_jax.data.prompts import END_OF_SQL, policy_prompt, serialize_schema
+from caper_jax.sql.contract import END_OF_SQL, policy_prompt, serialize_schema
 
 BATCH_KEYS = ("input_ids", "attention_mask", "targets", "loss_mask")
 
@@ -45,7 +45,7 @@ class SqlTooLongError(SftDataError):
 @dataclasses.dataclass(frozen=True)
 class SftExample:
     question: str
-    schema: str     # serialised schema (caper_jax.data.prompts.serialize_schema)
+    schema: str     # serialised schema (caper_jax.sql.contract.serialize_schema)
     sql: str        # gold SQL, the target
     db_id: str = ""
     evidence: str = ""  # BIRD's hint; part of the prompt

@@ -38,6 +38,7 @@ from sqlglot.optimizer.scope import Scope, traverse_scope
 
 from caper_jax.sql import equivalences
 from caper_jax.sql.clauses import compound_name
+from caper_jax.sql.contract import CLAUSE_NAMES, CLAUSE_ORDER
 from caper_jax.sql.schema import Schema
 
 DIALECT = "sqlite"
@@ -45,8 +46,7 @@ SchemaMapping = Mapping[str, Mapping[str, str]]  # table -> column -> type
 AnySchema = Schema | SchemaMapping
 
 # Clause names in written order; compound queries name their operator parts (see clause_slots).
-SELECT, FROM, WHERE, GROUP_BY, HAVING, ORDER_BY, LIMIT = (
-    "SELECT", "FROM", "WHERE", "GROUP BY", "HAVING", "ORDER BY", "LIMIT")
+SELECT, FROM, WHERE, GROUP_BY, HAVING, ORDER_BY, LIMIT = CLAUSE_NAMES
 SLOT_ARGS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (SELECT, ("distinct", "expressions")),
     (FROM, ("from_", "joins")),
@@ -56,12 +56,6 @@ SLOT_ARGS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (ORDER_BY, ("order",)),
     (LIMIT, ("limit", "offset")),
 )
-
-
-# Order of clause positions, to align the clauses of two queries (compound units before the
-# ORDER BY / LIMIT of the compound result, as split_clauses writes them).
-POSITION_ORDER = ("WITH", SELECT, FROM, WHERE, GROUP_BY, HAVING, "UNION", "UNION ALL", "INTERSECT",
-                  "EXCEPT", ORDER_BY, LIMIT)
 
 
 class CanonicalizeError(ValueError):
@@ -104,8 +98,8 @@ def positions(names: Sequence[str]) -> list[Position]:
 
 
 def position_rank(position: Position) -> tuple[int, int]:
-    known = position.name in POSITION_ORDER
-    return (POSITION_ORDER.index(position.name) if known else len(POSITION_ORDER)), position.occurrence
+    known = position.name in CLAUSE_ORDER
+    return (CLAUSE_ORDER.index(position.name) if known else len(CLAUSE_ORDER)), position.occurrence
 
 
 def align(left: Sequence[Position], right: Sequence[Position]) -> list[Position]:

@@ -37,9 +37,7 @@ from sqlglot.dialects.sqlite import SQLite
 from sqlglot.errors import SqlglotError
 from sqlglot.tokens import Token, TokenType
 
-CLAUSE_NAMES = ("SELECT", "FROM", "WHERE", "GROUP BY", "HAVING", "ORDER BY", "LIMIT")
-COMPOUND_NAMES = ("UNION", "UNION ALL", "INTERSECT", "EXCEPT")
-WITH_NAME = "WITH"
+from caper_jax.sql.contract import CLAUSE_NAMES, COMPOUND_NAMES, WITH_NAME
 
 _DIALECT = SQLite()
 _LOCAL = threading.local()  # a sqlglot Generator keeps per-call state: one per thread
@@ -315,7 +313,7 @@ def clause_of(node: exp.Expression) -> str:
 
 
 __all__ = [
-    "CLAUSE_NAMES", "COMPOUND_NAMES", "WITH_NAME", "ClauseUnit", "SqlParseError", "clause_of", "clone_tree",
-    "compound_name", "parse_sql", "render_sql", "split_clauses", "tokenize",
+    "ClauseUnit", "SqlParseError", "clause_of", "clone_tree", "compound_name", "parse_sql", "render_sql",
+    "split_clauses", "tokenize",
 ]
 

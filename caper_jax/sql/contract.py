@@ -1,4 +1,11 @@
-"""Schema serialisation and the prompt texts the policy and the Clause-PRM read before the SQL.
+"""The text contract between the annotator (``caper_jax.sql``) and the models that read its output.
+
+Everything a tuple, a prompt or a clause id means is fixed here, once, for both sides: the marker
+that ends a query (``END_OF_SQL``), the schema serialisation, the prompt texts the policy and the
+Clause-PRM read before the SQL, and the clause unit names with their written order and ids. It
+lives in ``sql/`` because the annotator writes these texts into its tuples and ``sql/`` imports
+nothing above itself; it needs only the standard library, so the data, model and evaluation code
+import it without pulling in sqlglot or jax.
 
 Tiny models on the demo world train at sequence length <= 512, so everything here is terse: one
 line per table, ``table(column type [PK] [→ table.column], ...)``, column names exactly as the
@@ -20,6 +27,24 @@ import sqlite3
 from typing import Any, Mapping
 
 END_OF_SQL = "<|im_end|>"
+
+# Clause units as caper_jax.sql.clauses splits a query: the clauses of one SELECT, the compound
+# operators, and a leading WITH.
+CLAUSE_NAMES = ("SELECT", "FROM", "WHERE", "GROUP BY", "HAVING", "ORDER BY", "LIMIT")
+COMPOUND_NAMES = ("UNION", "UNION ALL", "INTERSECT", "EXCEPT")
+WITH_NAME = "WITH"
+# Written order of the units: a compound's operator parts come before the ORDER BY / LIMIT of the
+# compound result, as split_clauses writes them. Aligns two queries' clauses and places a missing
+# root clause.
+CLAUSE_ORDER = (WITH_NAME, *CLAUSE_NAMES[:5], *COMPOUND_NAMES, *CLAUSE_NAMES[5:])
+# The PRM's clause ids: a SELECT clause's index in CLAUSE_NAMES (0..6); every compound operator
+# unit shares COMPOUND_CLAUSE_ID; a WITH unit gets WITH_CLAUSE_ID.
+COMPOUND_CLAUSE_ID = 7
+WITH_CLAUSE_ID = 8
+NUM_CLAUSE_IDS = 9
+CLAUSE_IDS = {**{name: i for i, name in enumerate(CLAUSE_NAMES)},
+              **{name: COMPOUND_CLAUSE_ID for name in COMPOUND_NAMES}, WITH_NAME: WITH_CLAUSE_ID}
+
 _PLAIN_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MAX_VALUE_CHARS = 40
 

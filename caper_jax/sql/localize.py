@@ -53,7 +53,8 @@ from caper_jax.sql import canonical as canon
 from caper_jax.sql import equivalences, propagation
 from caper_jax.sql.canonical import (AnySchema, Canonical, ClauseSlot, LabelledNode, Position, align,
                                     position_rank, positions)
-from caper_jax.sql.clauses import COMPOUND_NAMES, ClauseUnit, SqlParseError, compound_name, split_clauses
+from caper_jax.sql.clauses import ClauseUnit, SqlParseError, compound_name, split_clauses
+from caper_jax.sql.contract import COMPOUND_NAMES
 from caper_jax.sql.edit_script import EditScript, edit_script
 from caper_jax.sql.execution import ExecResult, Executor, order_matters, results_equal
 from caper_jax.sql.schema import Schema

@@ -15,7 +15,7 @@ the other side's state at that point is the clause it wrote next; if it wrote no
 its last clause followed by the end of the query.
 
 **The end of the query is part of the last clause's state.** The last clause of a query is
-written ``clause + END_OF_SQL`` (the token the policy stops on, ``caper_jax.data.prompts``), so
+written ``clause + END_OF_SQL`` (the token the policy stops on, ``caper_jax.sql.contract``), so
 the PRM reads it after the query has ended. Why: a query that lacks its trailing WHERE is, up to
 FROM's last token, exactly a correct prefix; only "and here it ends" is wrong, and a causal model
 can blame FROM for it only if it sees the end. Scoring a whole query does the same
@@ -45,7 +45,7 @@ clause it wrote next, or by its last clause and the end of the query. Both state
 ``clause`` names the root position (the blamed state); provenance is ``within:<mutation kind>`` or
 ``within:counterfactual``.
 
-The ``schema`` field is ``caper_jax.data.prompts.serialize_schema`` of the database's tables.json
+The ``schema`` field is ``caper_jax.sql.contract.serialize_schema`` of the database's tables.json
 record when one is given, else of a record built from the SQLite catalogue (``tables_entry``).
 """
 from __future__ import annotations
@@ -56,11 +56,11 @@ import pathlib
 import random
 from collections.abc import Mapping
 
-from caper_jax.data.prompts import END_OF_SQL, serialize_schema
 from caper_jax.sql import canonical as canon
 from caper_jax.sql import propagation
 from caper_jax.sql.canonical import AnySchema, Position, align, position_rank
 from caper_jax.sql.clauses import ClauseUnit, SqlParseError
+from caper_jax.sql.contract import END_OF_SQL, serialize_schema
 from caper_jax.sql.execution import Executor, database_dirs_of, find_database
 from caper_jax.sql.localize import GoldError, Localization, clause_units, localize
 from caper_jax.sql.mutations import SITE_BALANCES, Negative, inject_faults

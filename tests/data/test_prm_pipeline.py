@@ -17,8 +17,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from caper_jax.data import prm_pipeline as pp
-from caper_jax.data.prompts import END_OF_SQL as END
-from caper_jax.sql.clauses import CLAUSE_NAMES, split_clauses
+from caper_jax.sql.clauses import split_clauses
+from caper_jax.sql.contract import CLAUSE_NAMES, COMPOUND_CLAUSE_ID
+from caper_jax.sql.contract import END_OF_SQL as END
 
 SQLS = (
     "SELECT name FROM singer WHERE age > 30 ORDER BY age DESC LIMIT 3",
@@ -122,7 +123,7 @@ def test_sequence_is_prompt_prefix_clause_scored_at_last_clause_token(tuples, to
             assert rec[side].endswith(tokenizer.decode(ids[pos : pos + 1]).strip())
             assert (ids[pos + 1 :] == tokenizer.pad_token_id).all()
         assert batch["margin"][row] == np.float32(rec["margin"])
-        expected_id = pp.COMPOUND_CLAUSE_ID if rec["clause"] == "UNION" else CLAUSE_NAMES.index(rec["clause"])
+        expected_id = COMPOUND_CLAUSE_ID if rec["clause"] == "UNION" else CLAUSE_NAMES.index(rec["clause"])
         assert batch["clause_id"][row] == expected_id
 
 

@@ -6,9 +6,9 @@ import sqlite3
 
 import pytest
 
-from caper_jax.data import prompts
 from caper_jax.data import spider as readers  # `spider` is the fixture with the data's path
 from caper_jax.data.demo_world import build_demo_world
+from caper_jax.sql import contract
 from tests.conftest import require
 
 ENTRY = {
@@ -23,7 +23,7 @@ ENTRY = {
 
 
 def test_serialize_schema_hand_written():
-    assert prompts.serialize_schema(ENTRY) == (
+    assert contract.serialize_schema(ENTRY) == (
         'people(id number PK, "Home Town" text, age number)\n'
         "pet(pet_id number PK, owner number → people.id, kind text)")
 
@@ -38,32 +38,32 @@ def test_serialize_schema_lists_most_frequent_values(tmp_path):
     conn.executemany("INSERT INTO pet VALUES (?, ?, ?)", [(1, 0, "cat"), (2, 1, "dog"), (3, 2, "cat")])
     conn.commit()
     conn.close()
-    text = prompts.serialize_schema(ENTRY, max_values=2, db_path=db)
+    text = contract.serialize_schema(ENTRY, max_values=2, db_path=db)
     counts = collections.Counter(t for t in towns if t is not None)
     top = sorted(counts, key=lambda t: (-counts[t], t))[:2]
     assert text == (f"people(id number PK, \"Home Town\" text ('{top[0]}', '{top[1]}'), age number)\n"
                     "pet(pet_id number PK, owner number → people.id, kind text ('cat', 'dog'))")
-    assert "'O''Hare'" in prompts.serialize_schema(ENTRY, max_values=4, db_path=db)
+    assert "'O''Hare'" in contract.serialize_schema(ENTRY, max_values=4, db_path=db)
 
 
 def test_serialize_schema_rejects_bad_input(tmp_path):
     with pytest.raises(ValueError, match="db_path"):
-        prompts.serialize_schema(ENTRY, max_values=3)
-    with pytest.raises(prompts.SchemaError):
-        prompts.serialize_schema({"db_id": "x", "table_names_original": ["t"]})
-    with pytest.raises(prompts.SchemaError, match="column types"):
-        prompts.serialize_schema({**ENTRY, "column_types": ["text"]})
+        contract.serialize_schema(ENTRY, max_values=3)
+    with pytest.raises(contract.SchemaError):
+        contract.serialize_schema({"db_id": "x", "table_names_original": ["t"]})
+    with pytest.raises(contract.SchemaError, match="column types"):
+        contract.serialize_schema({**ENTRY, "column_types": ["text"]})
     with pytest.raises(FileNotFoundError):
-        prompts.serialize_schema(ENTRY, max_values=1, db_path=tmp_path / "absent.sqlite")
+        contract.serialize_schema(ENTRY, max_values=1, db_path=tmp_path / "absent.sqlite")
 
 
 def test_prompts_hold_schema_question_and_hint():
-    schema = prompts.serialize_schema(ENTRY)
-    text = prompts.policy_prompt("  How many pets?  ", schema)
+    schema = contract.serialize_schema(ENTRY)
+    text = contract.policy_prompt("  How many pets?  ", schema)
     assert text == f"<|im_start|>user\n{schema}\nQuestion: How many pets?<|im_end|>\n<|im_start|>assistant\n"
-    hinted = prompts.policy_prompt("Q?", schema, evidence="pets are animals")
+    hinted = contract.policy_prompt("Q?", schema, evidence="pets are animals")
     assert "\nHint: pets are animals<|im_end|>" in hinted
-    assert prompts.prm_prompt("Q?", schema, "e") == prompts.policy_prompt("Q?", schema, "e")
+    assert contract.prm_prompt("Q?", schema, "e") == contract.policy_prompt("Q?", schema, "e")
 
 
 def test_spider_dev_reader(spider, caplog):
@@ -87,7 +87,7 @@ def test_spider_schemas_and_paths(spider):
     raw = json.loads((spider / "tables.json").read_text())
     assert set(schemas) == {e["db_id"] for e in raw}
     for entry in raw:
-        text = prompts.serialize_schema(schemas[entry["db_id"]])
+        text = contract.serialize_schema(schemas[entry["db_id"]])
         assert len(text.splitlines()) == len(entry["table_names_original"])
     path = readers.db_path(spider, "concert_singer")
     tables = {r[0] for r in sqlite3.connect(f"file:{path}?mode=ro", uri=True)
@@ -140,6 +140,6 @@ def test_demo_world_reads_back(tmp_path):
     assert readers.missing_databases(world, train) == {}
     schemas = readers.load_schemas(world)
     assert len(schemas) == 5
-    shop = prompts.serialize_schema(schemas["shop"])
+    shop = contract.serialize_schema(schemas["shop"])
     assert "product_id number PK" in shop and "supplier_id number → supplier.supplier_id" in shop
 

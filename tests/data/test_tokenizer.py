@@ -4,10 +4,10 @@ import json
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from caper_jax.data import prompts
 from caper_jax.data.demo_schemas import tables_json_entry
 from caper_jax.data.demo_world import DEFAULT_DEV_SIZE, DEFAULT_TRAIN_SIZE, generate_examples, open_databases
 from caper_jax.data.tokenizer import SPECIAL_TOKENS, build_demo_tokenizer
+from caper_jax.sql import contract
 
 TEXTS = [
     "SELECT name FROM product WHERE price > 150 AND category = 'Toys' ORDER BY price DESC LIMIT 3",
@@ -54,7 +54,7 @@ def test_special_tokens_are_single_ids(saved):
     tok, _ = saved
     assert tok.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2, 3]
     assert (tok.pad_token, tok.eos_token) == ("<|pad|>", "<|im_end|>")
-    text = prompts.policy_prompt("How many?", "t(a number)") + "SELECT 1" + prompts.END_OF_SQL
+    text = contract.policy_prompt("How many?", "t(a number)") + "SELECT 1" + contract.END_OF_SQL
     ids = tok(text)["input_ids"]
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and ids[-1] == tok.eos_token_id
     assert ids.count(tok.convert_tokens_to_ids("<|im_end|>")) == 2
@@ -92,8 +92,8 @@ def test_vocab_size_is_an_upper_bound_and_checked():
 def test_demo_world_sequences_fit_512_tokens(saved):
     tok, _ = saved
     databases = open_databases(seed=0)
-    schemas = {db_id: prompts.serialize_schema(tables_json_entry(db.schema)) for db_id, db in databases.items()}
-    texts = [prompts.policy_prompt(e["question"], schemas[e["db_id"]]) + e["query"] + prompts.END_OF_SQL
+    schemas = {db_id: contract.serialize_schema(tables_json_entry(db.schema)) for db_id, db in databases.items()}
+    texts = [contract.policy_prompt(e["question"], schemas[e["db_id"]]) + e["query"] + contract.END_OF_SQL
              for split, size in (("train", DEFAULT_TRAIN_SIZE), ("dev", DEFAULT_DEV_SIZE))
              for e in generate_examples(databases, 0, split, size)]
     lengths = [len(ids) for ids in tok(texts)["input_ids"]]

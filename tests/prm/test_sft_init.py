@@ -67,7 +67,7 @@ def test_a_missing_or_mismatched_sft_run_is_one_clear_error(runs, tmp_path):
 def test_clause_confidence_matches_full_vocabulary_log_probs(runs):
     import jax.numpy as jnp
 
-    from caper_jax.data.prompts import policy_prompt
+    from caper_jax.sql.contract import policy_prompt
     from caper_jax.eval.confidence import clause_logprobs
     from caper_jax.sql.clauses import split_clauses
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from caper_jax.data.prompts import END_OF_SQL
+from caper_jax.sql.contract import END_OF_SQL
 from caper_jax.utils.optim import init_state, make_optimizer
 from caper_jax.sft import data as D
 from caper_jax.sft import trainer as S

@@ -6,8 +6,8 @@ import re
 import pytest
 from sqlglot import exp
 
-from caper_jax.sql.clauses import (CLAUSE_NAMES, COMPOUND_NAMES, SqlParseError, clause_of, clone_tree,
-                                   parse_sql, render_sql, split_clauses)
+from caper_jax.sql.clauses import SqlParseError, clause_of, clone_tree, parse_sql, render_sql, split_clauses
+from caper_jax.sql.contract import CLAUSE_NAMES, COMPOUND_NAMES
 from caper_jax.sql.execution import Executors, order_matters, results_equal
 
 

@@ -5,7 +5,7 @@ error gives gold's result) and hand-written cases with a known root clause.
 """
 import pytest
 
-from caper_jax.data.prompts import END_OF_SQL as END
+from caper_jax.sql.contract import END_OF_SQL as END
 from caper_jax.sql.execution import Executor, order_matters, results_equal
 from caper_jax.sql.localize import GoldError, localize, text_clauses
 from caper_jax.sql.schema import Schema

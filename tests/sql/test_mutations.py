@@ -6,8 +6,8 @@ import sqlite3
 import pytest
 from sqlglot import exp
 
-from caper_jax.data.prompts import END_OF_SQL as END
 from caper_jax.sql.clauses import SqlParseError, clause_of, parse_sql, render_sql, split_clauses
+from caper_jax.sql.contract import END_OF_SQL as END
 from caper_jax.sql.execution import Executor, Executors, order_matters
 from caper_jax.sql.mutations import MUTATION_KINDS, compound_fault, inject_faults
 from caper_jax.sql.schema import Schema

@@ -4,10 +4,10 @@ import math
 import pytest
 from sqlglot import exp
 
-from caper_jax.data.prompts import END_OF_SQL as END
 from caper_jax.sql import canonical as canon
 from caper_jax.sql import propagation
 from caper_jax.sql.clauses import parse_sql
+from caper_jax.sql.contract import END_OF_SQL as END
 from caper_jax.sql.execution import ExecResult
 from caper_jax.sql.mutations import Negative
 from caper_jax.sql.tuples import Context, aligned_tuples, mutation_rewards, mutation_tuples

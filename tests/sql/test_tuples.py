@@ -10,8 +10,8 @@ import pytest
 from sqlglot import exp
 
 from caper_jax.data.prm_pipeline import decode_record
-from caper_jax.data.prompts import END_OF_SQL as END
 from caper_jax.sql.clauses import SqlParseError, parse_sql
+from caper_jax.sql.contract import END_OF_SQL as END
 from caper_jax.sql.execution import ExecResult
 from caper_jax.sql.mutations import Negative
 from caper_jax.sql.tuples import (AnnotationSettings, Annotator, Context, mutation_tuples,
