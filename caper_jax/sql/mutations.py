@@ -5,7 +5,8 @@ a plausible, same-typed alternative, and the mutant is kept only when it parses,
 error and its result differs from the gold result under Spider semantics. The mutated node is the
 root cause v* that reward propagation starts from.
 
-Catalogue (``MUTATION_KINDS``; docs/sql.md lists the exact rules):
+Catalogue (``MUTATION_KINDS``; the rules themselves are data, ``RULES``: each names its kind, the
+nodes it applies to and the edits it proposes; docs/sql.md lists them and says how to add one):
 
 =================  ==========================================================================
 column             a column → another column of the same type class from a table in scope
@@ -42,9 +43,6 @@ from sqlglot import exp
 from caper_jax.sql.clauses import SqlParseError, clause_of, clone_tree, parse_sql, render_sql, split_clauses
 from caper_jax.sql.execution import ExecResult, Executor, order_matters, results_equal
 from caper_jax.sql.schema import Column, Schema
-
-MUTATION_KINDS = ("column", "join_key", "comparison", "aggregate", "literal", "and_or",
-                  "order_direction", "limit", "distinct", "table")
 
 _COMPARISONS = (exp.EQ, exp.NEQ, exp.GT, exp.GTE, exp.LT, exp.LTE)
 _NUMERIC_AGGREGATES = (exp.Max, exp.Min, exp.Avg, exp.Sum)
@@ -170,58 +168,21 @@ class _Sites:
         for node in tree.walk():
             self._collect(node)
 
-    def _add(self, kind: str, node: exp.Expression, make: Callable[[exp.Expression], list[_Edit]]) -> None:
-        """A site: ``make(node)`` lists its candidate edits when the site's turn comes."""
-        self.sites.append((_site_clause(node), kind, functools.partial(make, node)))
-
     def _collect(self, node: exp.Expression) -> None:
-        if isinstance(node, exp.Column) and not isinstance(node.this, exp.Star):
-            if _is_string_value(node, self.scopes):
-                self._add("literal", node, lambda n: self._literal_edits(n, n.name, True))
-            elif _in_join_condition(node):
-                self._add("join_key", node, lambda n: self._column_edits(n, "join_key"))
-            else:
-                self._add("column", node, lambda n: self._column_edits(n, "column"))
-        elif isinstance(node, _COMPARISONS) and not _in_join_condition(node):
-            self._add("comparison", node, lambda n: [
-                _replace("comparison", n, lambda c=cls: _rebuild(c, n)) for cls in _COMPARISONS
-                if not isinstance(n, cls)])
-        elif isinstance(node, _NUMERIC_AGGREGATES):
-            self._add("aggregate", node, self._aggregate_edits)
-        elif isinstance(node, exp.Count) and not isinstance(node.this, exp.Star) and node.this is not None:
-            self._add("distinct", node, lambda n: [_replace("distinct", n, lambda: exp.Count(
-                this=clone_tree(n.this.expressions[0]) if isinstance(n.this, exp.Distinct)
-                else exp.Distinct(expressions=[clone_tree(n.this)])))])
-        elif isinstance(node, exp.Literal) and not node.find_ancestor(
-                exp.Limit, exp.Offset, exp.Order, exp.Group):  # ORDER/GROUP BY 1 are positions
-            if isinstance(node.parent, exp.Neg):  # -5 is one value: replace the negation
-                self._add("literal", node.parent, lambda n: self._literal_edits(n, "-" + n.this.this, False))
-            else:
-                self._add("literal", node, lambda n: self._literal_edits(n, n.this, n.is_string))
-        elif isinstance(node, (exp.And, exp.Or)):
-            other = exp.Or if isinstance(node, exp.And) else exp.And
-            self._add("and_or", node, lambda n: [_replace("and_or", n, lambda: _rebuild(other, n))])
-        elif isinstance(node, exp.Ordered):
-            self._add("order_direction", node, lambda n: [
-                _replace("order_direction", n, lambda: _flip(n))])
-        elif isinstance(node, exp.Limit) and isinstance(node.expression, exp.Literal) \
-                and node.expression.is_int:
-            self._add("limit", node, lambda n: self._limit_edits(n.expression))
-        elif isinstance(node, exp.Select):
-            self._add("distinct", node, lambda n: [_Edit(
-                "distinct", n, "distinct", None,
-                lambda: None if n.args.get("distinct") else exp.Distinct())])
-        elif isinstance(node, exp.Table) and node.parent is not None \
-                and isinstance(node.parent, (exp.From, exp.Join)) and self.schema.has_table(node.name):
-            self._add("table", node, self._table_edits)
+        """Asks every rule about one node of the walk; each rule that applies adds one site."""
+        for rule in RULES:
+            if rule.applies(self, node):
+                site = rule.site(node)
+                make = functools.partial(rule.edits, self, site, rule.kind)
+                self.sites.append((_site_clause(site), rule.kind, make))
 
-    def _column_edits(self, column: exp.Column, kind: str) -> list[_Edit]:
+    def _column_edits(self, column: exp.Column, kind: str, *, own_table_only: bool) -> list[_Edit]:
         resolved = self.scopes.resolve(column)
         if resolved is None:
             return []
         select, alias, current = resolved
         tables = self.scopes.tables(select)
-        aliases = [alias] if kind == "join_key" else list(tables)
+        aliases = [alias] if own_table_only else list(tables)
         edits = []
         for candidate_alias in aliases:
             for candidate in self.schema.columns_of(tables[candidate_alias]):
@@ -234,14 +195,14 @@ class _Sites:
                                       lambda c=candidate.name, q=qualifier: _column_node(c, q)))
         return edits
 
-    def _aggregate_edits(self, node: exp.Expression) -> list[_Edit]:
+    def _aggregate_edits(self, node: exp.Expression, kind: str) -> list[_Edit]:
         argument = node.this
         type_ = None
         if isinstance(argument, exp.Column):
             resolved = self.scopes.resolve(argument)
             type_ = resolved[2].type if resolved else None
         choices = _NUMERIC_AGGREGATES if type_ in (None, "number") else _ORDER_AGGREGATES
-        return [_replace("aggregate", node, lambda c=cls: c(this=clone_tree(argument)))
+        return [_replace(kind, node, lambda c=cls: c(this=clone_tree(argument)))
                 for cls in choices if not isinstance(node, cls)]
 
     def _compared_column(self, value: exp.Expression) -> Column | None:
@@ -265,7 +226,7 @@ class _Sites:
             f'SELECT DISTINCT "{name}" FROM "{table}" WHERE "{name}" IS NOT NULL LIMIT {_VALUE_SAMPLE}')
         return [row[0] for row in result.rows] if result.ok else []
 
-    def _literal_edits(self, node: exp.Expression, text: str, is_string: bool) -> list[_Edit]:
+    def _literal_edits(self, node: exp.Expression, kind: str, text: str, is_string: bool) -> list[_Edit]:
         column = self._compared_column(node)
         pattern = isinstance(node.parent, exp.Like) and "%" in text
         values = []
@@ -289,15 +250,16 @@ class _Sites:
                 new = exp.Literal.string(str(value))
             else:
                 new = exp.Literal.number(value)
-            edits.append(_replace("literal", node, lambda n=new: n))
+            edits.append(_replace(kind, node, lambda n=new: n))
         return edits
 
-    def _limit_edits(self, literal: exp.Literal) -> list[_Edit]:
+    def _limit_edits(self, limit: exp.Limit, kind: str) -> list[_Edit]:
+        literal = limit.expression
         n = int(literal.this)
-        return [_replace("limit", literal, lambda m=m: exp.Literal.number(m))
+        return [_replace(kind, literal, lambda m=m: exp.Literal.number(m))
                 for m in (n + 1, n - 1) if m > 0]
 
-    def _table_edits(self, table: exp.Table) -> list[_Edit]:
+    def _table_edits(self, table: exp.Table, kind: str) -> list[_Edit]:
         select = table.find_ancestor(exp.Select)
         if select is None:
             return []
@@ -316,7 +278,7 @@ class _Sites:
                    for name, type_ in needed):
                 new = exp.Table(this=exp.to_identifier(other),
                                 alias=exp.TableAlias(this=exp.to_identifier(table.alias_or_name)))
-                edits.append(_replace("table", table, lambda n=new: n))
+                edits.append(_replace(kind, table, lambda n=new: n))
         return edits
 
     def edits(self, balance: str = "kind") -> Iterator[_Edit]:
@@ -352,6 +314,102 @@ class _Sites:
                 yield from alternatives[:_ALTERNATIVES_PER_SITE]
                 leftovers.extend(alternatives[_ALTERNATIVES_PER_SITE:])
         yield from leftovers
+
+
+# ----------------------------------------------------------------------------- the catalogue
+
+
+@dataclasses.dataclass(frozen=True)
+class MutationRule:
+    """One mutation kind at one sort of node: where it applies and which edits it proposes.
+
+    ``applies(sites, node)`` is asked about every node of the gold tree's walk; when it holds, the
+    rule adds one edit site there (sites stay in walk order). ``site(node)`` is the node the edits
+    change, when that is not the walked node itself (a negated number is edited as a whole).
+    ``edits(sites, site, kind)`` lists the candidate edits, each tagged ``kind``; it is called only
+    when the site's turn comes (most sites never get one).
+    """
+    kind: str
+    applies: Callable[[_Sites, exp.Expression], bool]
+    edits: Callable[[_Sites, exp.Expression, str], list[_Edit]]
+    site: Callable[[exp.Expression], exp.Expression] = lambda node: node
+
+
+def _column_role(sites: _Sites, node: exp.Expression) -> str | None:
+    """What a column node is to the catalogue: a double-quoted string value ("literal"), a key of a
+    JOIN ... ON condition ("join_key"), any other column ("column"); None for ``*`` and non-columns.
+    One role per column, so exactly one of the three column rules applies to it."""
+    if not isinstance(node, exp.Column) or isinstance(node.this, exp.Star):
+        return None
+    if _is_string_value(node, sites.scopes):
+        return "literal"
+    return "join_key" if _in_join_condition(node) else "column"
+
+
+def _is_plain_literal(node: exp.Expression) -> bool:
+    # ORDER BY 1 / GROUP BY 1 are column positions, and LIMIT/OFFSET numbers have their own rule.
+    return isinstance(node, exp.Literal) and not node.find_ancestor(exp.Limit, exp.Offset, exp.Order, exp.Group)
+
+
+def _other_comparisons(sites: _Sites, node: exp.Expression, kind: str) -> list[_Edit]:
+    return [_replace(kind, node, lambda c=cls: _rebuild(c, node)) for cls in _COMPARISONS
+            if not isinstance(node, cls)]
+
+
+def _toggled_count_distinct(sites: _Sites, node: exp.Count, kind: str) -> list[_Edit]:
+    return [_replace(kind, node, lambda: exp.Count(
+        this=clone_tree(node.this.expressions[0]) if isinstance(node.this, exp.Distinct)
+        else exp.Distinct(expressions=[clone_tree(node.this)])))]
+
+
+def _toggled_select_distinct(sites: _Sites, node: exp.Select, kind: str) -> list[_Edit]:
+    return [_Edit(kind, node, "distinct", None, lambda: None if node.args.get("distinct") else exp.Distinct())]
+
+
+def _swapped_connective(sites: _Sites, node: exp.Expression, kind: str) -> list[_Edit]:
+    other = exp.Or if isinstance(node, exp.And) else exp.And
+    return [_replace(kind, node, lambda: _rebuild(other, node))]
+
+
+def _flipped_direction(sites: _Sites, node: exp.Ordered, kind: str) -> list[_Edit]:
+    return [_replace(kind, node, lambda: _flip(node))]
+
+
+# Every rule is asked about every node; the conditions are disjoint (distinct node classes, and one
+# ``_column_role`` per column), so a node is one site at most. MUTATION_KINDS lists the kinds in the
+# order they first appear here, and that order is part of the random draws (``_Sites.edits`` samples
+# the kinds in it): reordering rules changes which negatives a seed gives. A new kind is one rule.
+RULES: tuple[MutationRule, ...] = (
+    MutationRule("column", lambda sites, node: _column_role(sites, node) == "column",
+                 lambda sites, node, kind: sites._column_edits(node, kind, own_table_only=False)),
+    MutationRule("join_key", lambda sites, node: _column_role(sites, node) == "join_key",
+                 lambda sites, node, kind: sites._column_edits(node, kind, own_table_only=True)),
+    MutationRule("comparison", lambda sites, node: isinstance(node, _COMPARISONS) and not _in_join_condition(node),
+                 _other_comparisons),
+    MutationRule("aggregate", lambda sites, node: isinstance(node, _NUMERIC_AGGREGATES),
+                 lambda sites, node, kind: sites._aggregate_edits(node, kind)),
+    # Spider's double-quoted strings parse as columns that name nothing in scope.
+    MutationRule("literal", lambda sites, node: _column_role(sites, node) == "literal",
+                 lambda sites, node, kind: sites._literal_edits(node, kind, node.name, True)),
+    MutationRule("literal", lambda sites, node: _is_plain_literal(node) and not isinstance(node.parent, exp.Neg),
+                 lambda sites, node, kind: sites._literal_edits(node, kind, node.this, node.is_string)),
+    # -5 is one value: the edits replace the negation, not the 5 under it.
+    MutationRule("literal", lambda sites, node: _is_plain_literal(node) and isinstance(node.parent, exp.Neg),
+                 lambda sites, node, kind: sites._literal_edits(node, kind, "-" + node.this.this, False),
+                 site=lambda node: node.parent),
+    MutationRule("and_or", lambda sites, node: isinstance(node, (exp.And, exp.Or)), _swapped_connective),
+    MutationRule("order_direction", lambda sites, node: isinstance(node, exp.Ordered), _flipped_direction),
+    MutationRule("limit", lambda sites, node: isinstance(node, exp.Limit) and isinstance(node.expression, exp.Literal)
+                 and node.expression.is_int,
+                 lambda sites, node, kind: sites._limit_edits(node, kind)),
+    MutationRule("distinct", lambda sites, node: isinstance(node, exp.Count) and node.this is not None
+                 and not isinstance(node.this, exp.Star), _toggled_count_distinct),
+    MutationRule("distinct", lambda sites, node: isinstance(node, exp.Select), _toggled_select_distinct),
+    MutationRule("table", lambda sites, node: isinstance(node, exp.Table)
+                 and isinstance(node.parent, (exp.From, exp.Join)) and sites.schema.has_table(node.name),
+                 lambda sites, node, kind: sites._table_edits(node, kind)),
+)
+MUTATION_KINDS: tuple[str, ...] = tuple(dict.fromkeys(rule.kind for rule in RULES))
 
 
 def _round_robin(queues: dict[str, list], rng: random.Random) -> Iterator:
@@ -538,4 +596,5 @@ def _edit_clause(edit: _Edit) -> str | None:
         return None
 
 
-__all__ = ["MUTATION_KINDS", "SITE_BALANCES", "Negative", "SqlParseError", "compound_fault", "inject_faults", "render_sql"]
+__all__ = ["MUTATION_KINDS", "RULES", "SITE_BALANCES", "MutationRule", "Negative",
+           "SqlParseError", "compound_fault", "inject_faults", "render_sql"]

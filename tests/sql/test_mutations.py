@@ -9,7 +9,8 @@ from sqlglot import exp
 from caper_jax.sql.clauses import SqlParseError, clause_of, parse_sql, render_sql, split_clauses
 from caper_jax.sql.contract import END_OF_SQL as END
 from caper_jax.sql.execution import Executor, Executors, order_matters
-from caper_jax.sql.mutations import MUTATION_KINDS, compound_fault, inject_faults
+from caper_jax.sql import mutations
+from caper_jax.sql.mutations import MUTATION_KINDS, RULES, compound_fault, inject_faults
 from caper_jax.sql.schema import Schema
 from caper_jax.sql.tuples import AnnotationSettings, Context, mutation_rewards, mutation_tuples
 from tests.sql.test_execution import naive_spider_equal
@@ -89,6 +90,33 @@ def test_join_query_mutates_join_keys_aggregates_and_connectives(tiny):
     join_keys = {text for kind, _, text in got if kind == "join_key"}
     assert join_keys <= {"T1.age", "T2.id", "T2.score"}  # same table, same type class
     assert not {kind for kind, _, _ in got} - set(MUTATION_KINDS)
+
+
+def test_rules_put_each_edit_site_where_the_catalogue_says(tiny):
+    executor, schema, _ = tiny
+    sql = ("SELECT DISTINCT T1.name, count(DISTINCT T2.score) FROM t AS T1 JOIN u AS T2 ON T1.id = T2.t_id "
+           "WHERE T1.city = \"oslo\" AND T1.age > -5 GROUP BY T1.name ORDER BY 1 LIMIT 3")
+    tree = parse_sql(sql)
+    sites = mutations._Sites(tree, schema, executor, random.Random(0))
+    claimed = [(rule.kind, rule.site(node)) for node in tree.walk() for rule in RULES if rule.applies(sites, node)]
+    assert len({id(site) for _, site in claimed}) == len(claimed)  # no node is the site of two rules
+    found = [(kind, "<the SELECT>" if isinstance(site, exp.Select) else render_sql(site)) for kind, site in claimed]
+    # By hand: the ON equality is no comparison site and its columns are join keys; "oslo" names no
+    # column, so it is a value; -5 is edited as a whole; ORDER BY 1 is a position and LIMIT 3 is the
+    # limit's own, so neither is a literal; COUNT is no numeric aggregate but its DISTINCT toggles.
+    assert sorted(found) == sorted([
+        ("column", "T1.name"), ("column", "T2.score"), ("column", "T1.city"), ("column", "T1.age"),
+        ("column", "T1.name"), ("join_key", "T1.id"), ("join_key", "T2.t_id"),
+        ("comparison", 'T1.city = "oslo"'), ("comparison", "T1.age > -5"),
+        ("literal", '"oslo"'), ("literal", "-5"), ("and_or", 'T1.city = "oslo" AND T1.age > -5'),
+        ("order_direction", "1"), ("limit", "LIMIT 3"),
+        ("distinct", "COUNT(DISTINCT T2.score)"), ("distinct", "<the SELECT>"),
+        ("table", "t AS T1"), ("table", "u AS T2")])
+    # The walk records the same sites; MUTATION_KINDS is the rules' kinds in rule order (the order
+    # the random draws depend on).
+    assert sorted(kind for _, kind, _ in sites.sites) == sorted(kind for kind, _ in found)
+    assert MUTATION_KINDS == ("column", "join_key", "comparison", "aggregate", "literal", "and_or",
+                              "order_direction", "limit", "distinct", "table")
 
 
 def test_negatives_are_consistent_and_reproducible(tiny):
