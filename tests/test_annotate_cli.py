@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from caper_jax.sql.execution import Executor, order_matters, results_equal
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 LOCALIZE_LINES = [
     {"gold": "SELECT name FROM singer WHERE age > 30", "pred": "select Name from singer where Age > 40",

@@ -16,7 +16,7 @@ from caper_jax import evaluate
 from caper_jax.data.spider import Example, load_split, read_sql_predictions
 from caper_jax.evaluate_ex import evaluate_ex
 from caper_jax.sql.semantics import SEMANTICS, check_semantics, comparison, executed_sql, remove_distinct
-from tests.conftest import require, spider_dir
+from tests.helpers import require, spider_dir
 
 SYSTEMS = ("c3sql_chatgpt.sql", "dail_sql_gpt4.sql", "dail_sql_gpt4_sc.sql", "din_sql_codex.csv",
            "din_sql_gpt4.csv", "graphix_t5.sql")

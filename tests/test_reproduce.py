@@ -14,7 +14,7 @@ import pytest
 
 from caper_jax import reproduce
 from configs import reproduce as reproduce_config
-from tests.conftest import REPO
+from tests.helpers import REPO
 from tests.test_train_cli import run_train
 
 

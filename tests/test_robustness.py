@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 # Never ends on its own: SQLite counts until the executor's deadline (set far beyond the test).
 ENDLESS = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"

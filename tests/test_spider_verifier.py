@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, require, spider_dir
+from tests.helpers import REPO, require, spider_dir
 
 SELECTORS = {"min", "mean", "last", "vote_min", "vote_mean", "vote_last"}
 

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def run_train(*args: str, tmp_path) -> subprocess.CompletedProcess:

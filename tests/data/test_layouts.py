@@ -14,7 +14,7 @@ import pytest
 
 from caper_jax.data import spider as readers
 from caper_jax.data import tfds_caper
-from tests.conftest import require
+from tests.helpers import require
 
 DEV_DBS = ("concert_singer", "pets_1")
 TRAIN_DB = "department_management"     # train_spider

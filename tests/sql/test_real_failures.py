@@ -22,7 +22,7 @@ from caper_jax.data.spider import read_sql_predictions
 from caper_jax.sql.execution import Executors
 from caper_jax.sql.localize import localize
 from caper_jax.sql.schema import Schema
-from tests.conftest import require, spider_dir
+from tests.helpers import require, spider_dir
 
 LABELS = pathlib.Path(__file__).parent / "real_failures" / "labels.jsonl"
 
