@@ -32,6 +32,18 @@ in ``suspect``): a string literal in another letter case than the data (``litera
 number returned as text (``type``) -- what ``caper_jax.sql.suspects`` flags on real failures. (The
 demo golds never order ambiguously, so there is no ``tie`` kind here.)
 
+The catalogue of mistakes (``mistake_edits``) is not ``caper_jax.sql.mutations.RULES``, on purpose.
+The two answer different questions: mutations make the PRM's training negatives, every
+type-preserving single edit of one node, tried lazily in an order drawn later; here a prediction
+imitates a model's slip, and the catalogue holds mistakes mutations do not make (a dropped condition
+or column, an extra condition, a GROUP BY column of another type class, a HAVING threshold, a LIMIT
+from 1/2/3/5/10, a number moved by its column's rounding step, a LIKE pattern with another first
+letter) and treats shared kinds differently (any column under a JOIN is a join key here, only those
+of ON there; DISTINCT is only removed here; key columns are a class of their own). It also draws
+its one variant per site while listing the sites, addressed by walk index so that edits apply to
+copies of the tree. Reusing the mutation rules would change the mistakes and the sequence of random
+draws, and so every prediction of the world.
+
 Clause names follow caper_jax.sql.clauses: SELECT, FROM (with JOINs), WHERE, GROUP BY, HAVING,
 ORDER BY, LIMIT of the first (or only) SELECT; in a compound query everything right of an
 operator belongs to the unit named after the operator (UNION, INTERSECT, EXCEPT). A mistake inside
@@ -52,6 +64,7 @@ from sqlglot.dialects.sqlite import SQLite
 from sqlglot.tokens import TokenType
 
 from caper_jax.data.demo_schemas import DemoSchema
+from caper_jax.sql.execution import ExecResult, results_equal
 from caper_jax.sql.contract import CLAUSE_NAMES
 
 _DIALECT = SQLite()
@@ -115,20 +128,16 @@ def execute(conn: sqlite3.Connection, sql: str) -> Rows:
 
 def same_result(gold: Rows, pred: Rows, *, ordered: bool, permute_columns: bool = True) -> bool:
     """Spider's test-suite comparison: list equality if ordered, else bag equality; the columns of
-    ``pred`` may be in any order."""
+    ``pred`` may be in any order -- ``caper_jax.sql.execution.results_equal`` with ``"spider"``
+    semantics, which decides exactly this (its column-permutation pruning keeps every permutation
+    that can match). ``permute_columns=False`` keeps the columns in gold's order (surface rewrites
+    must not even reorder them), a mode ``results_equal`` does not have."""
+    if permute_columns:
+        return results_equal(ExecResult(rows=tuple(gold)), ExecResult(rows=tuple(pred)), semantics="spider",
+                             ordered=ordered)
     if len(gold) != len(pred):
         return False
-    if not gold:
-        return True
-    width = len(gold[0])
-    if len(pred[0]) != width:
-        return False
-    orders = itertools.permutations(range(width)) if permute_columns else [tuple(range(width))]
-    for order in orders:
-        permuted = [tuple(row[i] for i in order) for row in pred]
-        if (permuted == gold) if ordered else (collections.Counter(permuted) == collections.Counter(gold)):
-            return True
-    return False
+    return list(gold) == list(pred) if ordered else collections.Counter(gold) == collections.Counter(pred)
 
 
 def has_order_by(tree: exp.Expression) -> bool:
