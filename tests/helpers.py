@@ -5,8 +5,12 @@ test module runs its module-level setup and ties one file's helpers to another f
 pytest owns conftest.py's import. Heavy imports (jax, torch, transformers) stay inside the helpers
 so that a SQL test importing this module does not pay for them.
 """
+import itertools
 import os
 import pathlib
+import random
+import subprocess
+import sys
 
 import pytest
 
@@ -26,3 +30,182 @@ def require(path: pathlib.Path) -> pathlib.Path:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(message)
     pytest.skip(message)
+
+
+def run_train(*args: str, tmp_path) -> subprocess.CompletedProcess:
+    """``python -m caper_jax.train ARGS --workdir=<tmp_path>/w`` from the repo root, output captured."""
+    return subprocess.run([sys.executable, "-m", "caper_jax.train", *args, f"--workdir={tmp_path / 'w'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def naive_spider_equal(gold, pred, ordered):
+    """Brute force over all column permutations (the official rule without pruning)."""
+    if not gold and not pred:
+        return True
+    if len(gold) != len(pred) or len(gold[0]) != len(pred[0]):
+        return False
+    for perm in itertools.permutations(range(len(gold[0]))):
+        permuted = [tuple(row[j] for j in perm) for row in pred]
+        if ordered and list(gold) == permuted:
+            return True
+        if not ordered and sorted(map(repr, gold)) == sorted(map(repr, permuted)):
+            return True
+    return False
+
+
+# -- Clause-PRM pipeline inputs (tests/data/test_prm_pipeline.py, test_checkpoint.py, prm/test_step.py)
+
+SQLS = (
+    "SELECT name FROM singer WHERE age > 30 ORDER BY age DESC LIMIT 3",
+    "SELECT count(*) FROM concert WHERE year = 2014",
+    "SELECT T1.name , T2.title FROM singer AS T1 JOIN song AS T2 ON T1.id = T2.singer_id WHERE T2.sales > 100",
+    "SELECT country , avg(age) FROM singer GROUP BY country HAVING count(*) > 1",
+    "SELECT name FROM stadium UNION SELECT name FROM singer ORDER BY name",
+    "SELECT DISTINCT country FROM singer WHERE is_male = 'F'",
+    "SELECT max(capacity) , average FROM stadium",
+)
+SCHEMAS = (
+    "singer(id, name, country, age, is_male) | song(id, title, singer_id, sales)",
+    "stadium(id, name, capacity, average) | concert(id, stadium_id, year) | singer(id, name, age)",
+)
+MUTATIONS = (("age", "id"), (">", "<"), ("DESC", "ASC"), ("3", "5"), ("name", "country"), ("count", "max"),
+             ("2014", "2015"), ("T1", "T2"), ("avg", "sum"), ("DISTINCT ", ""), ("UNION", "EXCEPT"), ("100", "10"))
+
+
+def prompt_fn(question: str, schema: str) -> str:
+    return f"Schema: {schema}\nQuestion: {question}\nSQL: "
+
+
+def make_tokenizer():
+    """A 600-token byte-level BPE (a PreTrainedTokenizerFast) trained on the test texts: lossless
+    decode, realistic merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from caper_jax.sql.contract import END_OF_SQL
+
+    corpus = list(SQLS) + list(SCHEMAS) + [prompt_fn(f"How many singers are older than {n}?", s)
+                                           for n in range(5) for s in SCHEMAS]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<pad>", END_OF_SQL], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
+
+
+def mutate(text: str) -> str:
+    for old, new in MUTATIONS:
+        if old in text:
+            return text.replace(old, new, 1)
+    return text + " + 1"
+
+
+def make_tuples(count: int, seed: int = 0) -> list[dict]:
+    """Tuples cut from real queries at split_clauses boundaries; questions of varied length."""
+    from caper_jax.sql.clauses import split_clauses
+
+    rng = random.Random(seed)
+    out = []
+    while len(out) < count:
+        sql = rng.choice(SQLS)
+        unit = rng.choice(split_clauses(sql))
+        words = " very" * rng.randrange(0, 40)
+        out.append(dict(
+            question=f"Which{words} old singers are there #{len(out)}?", db_id="concert_singer",
+            schema=rng.choice(SCHEMAS), clause=unit.name, prefix_chosen=sql[: unit.start],
+            chosen=unit.text, prefix_rejected=sql[: unit.start], rejected=mutate(unit.text),
+            margin=round(rng.uniform(0.1, 1.0), 3), provenance="mutation:test", gold_sql=sql,
+            negative_sql=sql[: unit.start] + mutate(unit.text)))
+    return out
+
+
+def make_within_tuples() -> list[dict]:
+    """Within-trajectory tuples as the annotator writes them: every clause of a query against one root
+    clause of it (both states cut from ``negative_sql``), plus two ordinary mutation tuples."""
+    from caper_jax.sql.clauses import split_clauses
+    from caper_jax.sql.contract import END_OF_SQL
+
+    out = []
+    for q, sql in enumerate(SQLS):
+        units = split_clauses(sql)
+        root = units[q % len(units)]
+
+        def text(u):  # the last clause ends with the end of the query, as the annotator writes it
+            return u.text + (END_OF_SQL if u is units[-1] else "")
+        for k, unit in enumerate(units):
+            if unit is root:
+                continue
+            out.append(dict(
+                question=f"Which singers, case {q}?", db_id="concert_singer", schema=SCHEMAS[q % 2],
+                clause=root.name, prefix_chosen=sql[: unit.start], chosen=text(unit),
+                prefix_rejected=sql[: root.start], rejected=text(root), margin=0.25 + 0.1 * k,
+                provenance="within:test", gold_sql=sql, negative_sql=sql))
+    return out + make_tuples(2, seed=5)
+
+
+# -- Tiny transformers Qwen3.5 references (tests/models/test_qwen35_parity.py, test_hf_io.py, prm/test_export.py)
+
+TINY_HF_CONFIGS = {
+    # 2 groups of (3 DeltaNet + 1 attention); value heads > key heads; GQA; untied head.
+    "untied": dict(
+        vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False,
+    ),
+    # Period 2 (DeltaNet, attention) x 2; equal qk/v heads of different dims; MQA; tied head;
+    # θ and the rotary fraction read from the checkpoint.
+    "tied": dict(
+        vocab_size=120, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention"] * 2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=24, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=24, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+    ),
+}
+
+
+def build_hf_model(name: str, seed: int = 0):
+    """transformers' Qwen3_5ForCausalLM for TINY_HF_CONFIGS[name], fixed torch seed, with the weights
+    transformers initialises to constants randomised so that a mis-wired norm or gate cannot hide."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3_5TextConfig(initializer_range=0.04, **TINY_HF_CONFIGS[name])
+    model = transformers.Qwen3_5ForCausalLM(config).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight") and "linear_attn" not in param_name:
+                param.normal_(0.0, 0.3)                 # zero-centred RMSNorm weights
+            elif param_name.endswith("linear_attn.norm.weight"):
+                param.normal_(1.0, 0.3)                 # plain gated norm weight
+            elif param_name.endswith("A_log"):
+                param.uniform_(-1.0, 1.5)
+            elif param_name.endswith("dt_bias"):
+                param.normal_(0.0, 1.0)
+    return model
+
+
+# -- Trainer workdirs built from random tiny models (tests/test_eval_policy.py, prm/test_sft_init.py)
+
+def build_policy_run(root: pathlib.Path, world: pathlib.Path) -> pathlib.Path:
+    """An SFT trainer workdir holding a random tiny policy (the trainer's checkpoint layout)."""
+    from flax import nnx
+    from transformers import AutoTokenizer
+
+    from caper_jax import checkpoint as ckpt_lib
+    from caper_jax.models import Qwen35ForCausalLM
+    from caper_jax.models.presets import model_preset
+    from caper_jax.utils.optim import init_state, make_optimizer
+    from configs.sft import get_config
+
+    workdir = root / "sft_run"
+    config = get_config()
+    config.data.dir = str(world)
+    tokenizer = AutoTokenizer.from_pretrained(str(world / "tokenizer"))
+    model = Qwen35ForCausalLM(model_preset("tiny", vocab_size=len(tokenizer)), rngs=nnx.Rngs(1))
+    state = init_state(nnx.state(model), make_optimizer(config.optim))
+    with ckpt_lib.Checkpointer(workdir / "checkpoints") as checkpointer:
+        checkpointer.save(3, state, config=config.to_dict(), force=True)
+    return workdir

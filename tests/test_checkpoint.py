@@ -47,7 +47,7 @@ DATA_RULES = (("batch", "data"),)  # the batch axis over the single mesh axis of
 def child_main(workdir: Path, steps: int) -> None:
     from caper_jax.data.prm_pipeline import prm_pipeline
     from caper_jax.parallel.multihost import host_local_to_global
-    from tests.data.test_prm_pipeline import make_tokenizer, make_tuples, prompt_fn
+    from tests.helpers import make_tokenizer, make_tuples, prompt_fn
 
     tokenizer = make_tokenizer()
     pipeline = prm_pipeline(make_tuples(30), tokenizer, global_batch_size=8, max_len=192,
@@ -380,7 +380,7 @@ def host_main(workdir: Path, port: int, process_id: int) -> None:
 
     from caper_jax.data.prm_pipeline import prm_pipeline
     from caper_jax.parallel.multihost import host_local_to_global
-    from tests.data.test_prm_pipeline import make_tokenizer, make_tuples, prompt_fn
+    from tests.helpers import make_tokenizer, make_tuples, prompt_fn
 
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
     pipeline = prm_pipeline(make_tuples(20), make_tokenizer(), global_batch_size=HOST_GLOBAL_BATCH,
@@ -427,7 +427,7 @@ def test_two_processes_stitch_batches_and_share_checkpoints(tmp_path):
     reports = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
 
     from caper_jax.data.prm_pipeline import prm_pipeline
-    from tests.data.test_prm_pipeline import make_tokenizer, make_tuples, prompt_fn
+    from tests.helpers import make_tokenizer, make_tuples, prompt_fn
 
     single = prm_pipeline(make_tuples(20), make_tokenizer(), global_batch_size=HOST_GLOBAL_BATCH, max_len=192,
                           bucket_lengths=(192,), seed=5, prompt_fn=prompt_fn)

@@ -15,7 +15,7 @@ from caper_jax.evaluate_ex import evaluate_ex
 from caper_jax.prm import scoring
 from caper_jax.sft.data import SftExample
 from caper_jax.sql.execution import Executors
-from tests.helpers import REPO
+from tests.helpers import REPO, build_policy_run
 from tests.test_verify import build_prm_run, session_root
 
 WRONG_ROWS = "SELECT 'no such answer', 12345"
@@ -69,28 +69,6 @@ def test_score_examples_by_hand(spider):
             policy_lib.score_examples(exs[:2], greedy[:2], [[gold[0]], [gold[1], gold[1]]], executors)
         with pytest.raises(ValueError, match="3 examples, 2 greedy"):
             policy_lib.score_examples(exs, greedy[:2], samples, executors)
-
-
-def build_policy_run(root: pathlib.Path, world: pathlib.Path) -> pathlib.Path:
-    """An SFT trainer workdir holding a random tiny policy (the trainer's checkpoint layout)."""
-    from flax import nnx
-    from transformers import AutoTokenizer
-
-    from caper_jax import checkpoint as ckpt_lib
-    from caper_jax.models import Qwen35ForCausalLM
-    from caper_jax.models.presets import model_preset
-    from caper_jax.utils.optim import init_state, make_optimizer
-    from configs.sft import get_config
-
-    workdir = root / "sft_run"
-    config = get_config()
-    config.data.dir = str(world)
-    tokenizer = AutoTokenizer.from_pretrained(str(world / "tokenizer"))
-    model = Qwen35ForCausalLM(model_preset("tiny", vocab_size=len(tokenizer)), rngs=nnx.Rngs(1))
-    state = init_state(nnx.state(model), make_optimizer(config.optim))
-    with ckpt_lib.Checkpointer(workdir / "checkpoints") as checkpointer:
-        checkpointer.save(3, state, config=config.to_dict(), force=True)
-    return workdir
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,7 @@ import pytest
 
 from caper_jax import reproduce
 from configs import reproduce as reproduce_config
-from tests.helpers import REPO
-from tests.test_train_cli import run_train
+from tests.helpers import REPO, run_train
 
 
 def test_summary_is_mean_and_sample_std():

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, require, spider_dir
+from tests.helpers import REPO, require, run_train, spider_dir
 
 SELECTORS = {"min", "mean", "last", "vote_min", "vote_mean", "vote_last"}
 
@@ -53,8 +53,6 @@ def test_fast_verifier_runs_every_stage(tmp_path):
     (["--config.prm.model.preset=big"], "prm: model.preset='big'"),
 ])
 def test_bad_verifier_config_is_one_clear_error(args, message, tmp_path):
-    from tests.test_train_cli import run_train
-
     result = run_train("--config=configs/spider_verifier.py", *args, tmp_path=tmp_path)
     assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and not (tmp_path / "w").exists()

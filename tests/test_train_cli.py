@@ -1,15 +1,7 @@
 """`python -m caper_jax.train`: config mistakes are refused with one clear line, before any work."""
-import subprocess
-import sys
-
 import pytest
 
-from tests.helpers import REPO
-
-
-def run_train(*args: str, tmp_path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "caper_jax.train", *args, f"--workdir={tmp_path / 'w'}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+from tests.helpers import run_train
 
 
 @pytest.mark.parametrize("args, message", [

@@ -9,74 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from caper_jax.data import prm_pipeline as pp
 from caper_jax.sql.clauses import split_clauses
 from caper_jax.sql.contract import CLAUSE_NAMES, COMPOUND_CLAUSE_ID
 from caper_jax.sql.contract import END_OF_SQL as END
-
-SQLS = (
-    "SELECT name FROM singer WHERE age > 30 ORDER BY age DESC LIMIT 3",
-    "SELECT count(*) FROM concert WHERE year = 2014",
-    "SELECT T1.name , T2.title FROM singer AS T1 JOIN song AS T2 ON T1.id = T2.singer_id WHERE T2.sales > 100",
-    "SELECT country , avg(age) FROM singer GROUP BY country HAVING count(*) > 1",
-    "SELECT name FROM stadium UNION SELECT name FROM singer ORDER BY name",
-    "SELECT DISTINCT country FROM singer WHERE is_male = 'F'",
-    "SELECT max(capacity) , average FROM stadium",
-)
-SCHEMAS = (
-    "singer(id, name, country, age, is_male) | song(id, title, singer_id, sales)",
-    "stadium(id, name, capacity, average) | concert(id, stadium_id, year) | singer(id, name, age)",
-)
-MUTATIONS = (("age", "id"), (">", "<"), ("DESC", "ASC"), ("3", "5"), ("name", "country"), ("count", "max"),
-             ("2014", "2015"), ("T1", "T2"), ("avg", "sum"), ("DISTINCT ", ""), ("UNION", "EXCEPT"), ("100", "10"))
-
-
-def prompt_fn(question: str, schema: str) -> str:
-    return f"Schema: {schema}\nQuestion: {question}\nSQL: "
-
-
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    """A 600-token byte-level BPE trained on the test texts: lossless decode, realistic merges."""
-    corpus = list(SQLS) + list(SCHEMAS) + [prompt_fn(f"How many singers are older than {n}?", s)
-                                           for n in range(5) for s in SCHEMAS]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<pad>", END], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
-
-
-def mutate(text: str) -> str:
-    for old, new in MUTATIONS:
-        if old in text:
-            return text.replace(old, new, 1)
-    return text + " + 1"
-
-
-def make_tuples(count: int, seed: int = 0) -> list[dict]:
-    """Tuples cut from real queries at split_clauses boundaries; questions of varied length."""
-    rng = random.Random(seed)
-    out = []
-    while len(out) < count:
-        sql = rng.choice(SQLS)
-        unit = rng.choice(split_clauses(sql))
-        words = " very" * rng.randrange(0, 40)
-        out.append(dict(
-            question=f"Which{words} old singers are there #{len(out)}?", db_id="concert_singer",
-            schema=rng.choice(SCHEMAS), clause=unit.name, prefix_chosen=sql[: unit.start],
-            chosen=unit.text, prefix_rejected=sql[: unit.start], rejected=mutate(unit.text),
-            margin=round(rng.uniform(0.1, 1.0), 3), provenance="mutation:test", gold_sql=sql,
-            negative_sql=sql[: unit.start] + mutate(unit.text)))
-    return out
-
+from tests.helpers import SCHEMAS, SQLS, make_tokenizer, make_tuples, make_within_tuples, prompt_fn
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -321,27 +262,6 @@ def test_score_batch_truncation_drops_only_clauses_that_fall_off(tokenizer):
     expected[full["clause_pos"] < 0] = -1
     np.testing.assert_array_equal(cut["clause_pos"], expected)
     assert cut["clause_pos"][0, 0] == -1 and cut["clause_pos"][0, 4] >= 0  # SELECT fell off, LIMIT kept
-
-
-def make_within_tuples() -> list[dict]:
-    """Within-trajectory tuples as the annotator writes them: every clause of a query against one root
-    clause of it (both states cut from ``negative_sql``), plus two ordinary mutation tuples."""
-    out = []
-    for q, sql in enumerate(SQLS):
-        units = split_clauses(sql)
-        root = units[q % len(units)]
-
-        def text(u):  # the last clause ends with the end of the query, as the annotator writes it
-            return u.text + (END if u is units[-1] else "")
-        for k, unit in enumerate(units):
-            if unit is root:
-                continue
-            out.append(dict(
-                question=f"Which singers, case {q}?", db_id="concert_singer", schema=SCHEMAS[q % 2],
-                clause=root.name, prefix_chosen=sql[: unit.start], chosen=text(unit),
-                prefix_rejected=sql[: root.start], rejected=text(root), margin=0.25 + 0.1 * k,
-                provenance="within:test", gold_sql=sql, negative_sql=sql))
-    return out + make_tuples(2, seed=5)
 
 
 def test_within_groups_score_each_tuple_on_a_prefix_of_one_sequence(tokenizer):

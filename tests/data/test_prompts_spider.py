@@ -9,7 +9,7 @@ import pytest
 from caper_jax.data import spider as readers  # `spider` is the fixture with the data's path
 from caper_jax.data.demo_world import build_demo_world
 from caper_jax.sql import contract
-from tests.conftest import require
+from tests.helpers import require
 
 ENTRY = {
     "db_id": "toy",

@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 from caper_jax import convert
 from caper_jax.models import from_hf, to_hf
 from caper_jax.models.hf_io import CheckpointError
-from tests.models.test_qwen35_parity import build_hf_model
+from tests.helpers import build_hf_model
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

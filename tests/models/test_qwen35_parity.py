@@ -1,9 +1,9 @@
 """caper_jax Qwen3.5 vs transformers' PyTorch Qwen3_5ForCausalLM on tiny random models.
 
 Every reference number comes from transformers (fp32, eager attention, its torch fallbacks of the
-gated delta rule). The models are built here with a fixed torch seed, and the weights transformers
-initialises to constants (zero-centred norms, the gated norm, A_log, dt_bias) are randomised so
-that a mis-wired norm or gate cannot hide. Each jitted program is compiled once per config.
+gated delta rule). The models come from tests/helpers.build_hf_model with a fixed torch seed, and
+the weights transformers initialises to constants (zero-centred norms, the gated norm, A_log,
+dt_bias) are randomised so that a mis-wired norm or gate cannot hide. Each jitted program is compiled once per config.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import transformers
 from flax import nnx
 
 from caper_jax.models import ConfigError, Qwen35Config, Qwen35ForCausalLM, from_hf
+from tests.helpers import TINY_HF_CONFIGS, build_hf_model
 
 # max |Δlogit| between two fp32 implementations (logits of order 1): each rounds at eps = 1.2e-7 per
 # op, and a few hundred accumulations (GEMM rows, norms, softmax, the DeltaNet chunk solve) stay
@@ -26,43 +27,7 @@ BF16_VS_HF_BF16 = 2.0     # bf16 error vs fp32 reference <= 2 x transformers' ow
 T = 150                   # > 2 DeltaNet chunks, not a multiple of 64
 PAD = 37
 
-CONFIGS = {
-    # 2 groups of (3 DeltaNet + 1 attention); value heads > key heads; GQA; untied head.
-    "untied": dict(
-        vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False,
-    ),
-    # Period 2 (DeltaNet, attention) x 2; equal qk/v heads of different dims; MQA; tied head;
-    # θ and the rotary fraction read from the checkpoint.
-    "tied": dict(
-        vocab_size=120, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
-        layer_types=["linear_attention", "full_attention"] * 2, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=24, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
-        linear_value_head_dim=24, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
-    ),
-}
-
-
-def build_hf_model(name: str, seed: int = 0) -> transformers.Qwen3_5ForCausalLM:
-    torch.manual_seed(seed)
-    config = transformers.Qwen3_5TextConfig(initializer_range=0.04, **CONFIGS[name])
-    model = transformers.Qwen3_5ForCausalLM(config).eval()
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if param_name.endswith("norm.weight") and "linear_attn" not in param_name:
-                param.normal_(0.0, 0.3)                 # zero-centred RMSNorm weights
-            elif param_name.endswith("linear_attn.norm.weight"):
-                param.normal_(1.0, 0.3)                 # plain gated norm weight
-            elif param_name.endswith("A_log"):
-                param.uniform_(-1.0, 1.5)
-            elif param_name.endswith("dt_bias"):
-                param.normal_(0.0, 1.0)
-    return model
-
-
-@pytest.fixture(scope="module", params=list(CONFIGS))
+@pytest.fixture(scope="module", params=list(TINY_HF_CONFIGS))
 def pair(request, tmp_path_factory):
     """(transformers model, caper_jax model, config) for one tiny config, via a saved checkpoint."""
     hf_model = build_hf_model(request.param)
@@ -184,7 +149,7 @@ def test_bf16_within_documented_tolerance(pair, tmp_path):
 
 
 def test_config_reads_multimodal_layout_and_round_trips():
-    text = transformers.Qwen3_5TextConfig(**CONFIGS["tied"]).to_dict()
+    text = transformers.Qwen3_5TextConfig(**TINY_HF_CONFIGS["tied"]).to_dict()
     multimodal = transformers.Qwen3_5Config(text_config=text, tie_word_embeddings=False).to_dict()
     config = Qwen35Config.from_hf_dict(multimodal)
     assert config.tie_word_embeddings is False          # the wrapper's flag wins
@@ -208,7 +173,7 @@ def test_config_reads_multimodal_layout_and_round_trips():
     ],
 )
 def test_config_refuses_what_it_cannot_represent(change, message):
-    d = transformers.Qwen3_5TextConfig(**CONFIGS["untied"]).to_dict()
+    d = transformers.Qwen3_5TextConfig(**TINY_HF_CONFIGS["untied"]).to_dict()
     d.update(change)
     with pytest.raises(ConfigError, match=message):
         Qwen35Config.from_hf_dict(d)

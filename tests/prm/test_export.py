@@ -14,7 +14,7 @@ from flax import nnx
 from caper_jax.parallel.mesh import make_mesh
 from caper_jax.parallel.rules import DEFAULT_RULES
 from caper_jax.prm.export import export_prm_to_hf, load_prm_backbone
-from tests.models.test_qwen35_parity import build_hf_model
+from tests.helpers import build_hf_model
 
 PAD = 0
 

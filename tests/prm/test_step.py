@@ -94,7 +94,7 @@ def test_weight_decay_skips_norms(setup):
 def test_within_groups_give_the_loss_of_their_tuples_as_pairs():
     """The same tuples, batched as pairs or with within-trajectory groups (one forward per negative
     query): same pairs, same scores, so the same loss and accuracy before the update."""
-    from tests.data.test_prm_pipeline import make_tokenizer, make_within_tuples, prompt_fn
+    from tests.helpers import make_tokenizer, make_within_tuples, prompt_fn
     from caper_jax.data.prm_pipeline import prm_pipeline
 
     tokenizer = make_tokenizer()

@@ -1,6 +1,5 @@
 """Sandboxed execution (hostile SQL on a temp copy of a Spider db) and result equivalence rules."""
 import hashlib
-import itertools
 import json
 import random
 import shutil
@@ -11,6 +10,7 @@ import pytest
 
 from caper_jax.sql.execution import (ExecResult, Executor, Executors, normalize_sql, order_matters,
                                      results_equal)
+from tests.helpers import naive_spider_equal
 
 TIMEOUT_S = 0.3
 
@@ -156,21 +156,6 @@ def test_failed_executions_are_never_equal_and_semantics_is_checked():
     assert not results_equal(ok((1,)), error, semantics="bird", ordered=False)
     with pytest.raises(ValueError):
         results_equal(ok(), ok(), semantics="exact", ordered=False)
-
-
-def naive_spider_equal(gold, pred, ordered):
-    """Brute force over all column permutations (the official rule without pruning)."""
-    if not gold and not pred:
-        return True
-    if len(gold) != len(pred) or len(gold[0]) != len(pred[0]):
-        return False
-    for perm in itertools.permutations(range(len(gold[0]))):
-        permuted = [tuple(row[j] for j in perm) for row in pred]
-        if ordered and list(gold) == permuted:
-            return True
-        if not ordered and sorted(map(repr, gold)) == sorted(map(repr, permuted)):
-            return True
-    return False
 
 
 def test_spider_equivalence_matches_brute_force_on_random_tables():

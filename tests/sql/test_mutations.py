@@ -13,7 +13,7 @@ from caper_jax.sql import mutations
 from caper_jax.sql.mutations import MUTATION_KINDS, RULES, compound_fault, inject_faults
 from caper_jax.sql.schema import Schema
 from caper_jax.sql.tuples import AnnotationSettings, Context, mutation_rewards, mutation_tuples
-from tests.sql.test_execution import naive_spider_equal
+from tests.helpers import naive_spider_equal
 
 TINY = """
 CREATE TABLE t (id INTEGER PRIMARY KEY, name TEXT, age INTEGER, city TEXT);
