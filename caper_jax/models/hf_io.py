@@ -34,6 +34,7 @@ from safetensors.numpy import save_file
 
 from caper_jax.models.config import Qwen35Config
 from caper_jax.models.qwen35 import Qwen35ForCausalLM, to_dtype
+from caper_jax.parallel.multihost import fetch
 from caper_jax.parallel.rules import logical_to_spec
 
 ParamPath = tuple[Any, ...]
@@ -211,19 +212,11 @@ def from_hf(
 # Writing ----------------------------------------------------------------------------------------
 
 
-def _host_value(array: jax.Array) -> np.ndarray:
-    if not array.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
-    return np.asarray(jax.device_get(array))
-
-
 def hf_state_dict(model: Qwen35ForCausalLM, config: Qwen35Config) -> Iterator[tuple[str, np.ndarray]]:
     """Yields (transformers name, host array) one tensor at a time, in our parameter order."""
     for var_path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         names = hf_tensor_names(var_path, config)
-        host = _host_value(variable[...])
+        host = fetch(variable[...])
         parts = list(host) if var_path[0] == "layers" else [host]
         for name, part in zip(names, parts, strict=True):
             yield name, _to_hf_layout(part, _layout(var_path))

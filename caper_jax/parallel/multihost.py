@@ -108,6 +108,44 @@ def batch_sharding(
     return NamedSharding(mesh, spec)
 
 
+def batch_multiple(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> int:
+    """Number of shards the batch axis is split into: a global batch's row count must divide by it."""
+    spec = batch_sharding(mesh, 1, rules).spec[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+def replicated_batch(batch: Mapping[str, Any], mesh: Mesh, rules: LogicalRules = DEFAULT_RULES,
+                     multiple: int = 1) -> tuple[dict[str, jax.Array], int]:
+    """The same full batch on every host -> global arrays split over the batch axis.
+
+    Rows are padded with zeros (-1 in ``*_pos`` keys: no position) to a multiple of ``multiple``
+    (``batch_multiple`` for a batch of any size); returns (arrays, real row count).
+    """
+    n = len(next(iter(batch.values())))
+    padded = -(-n // multiple) * multiple
+    out = {}
+    for key, value in batch.items():
+        value = np.asarray(value)
+        if padded != n:
+            pad = np.zeros((padded - n,) + value.shape[1:], value.dtype)
+            if key.endswith("_pos"):
+                pad -= 1
+            value = np.concatenate([value, pad])
+        sharding = batch_sharding(mesh, value.ndim, rules)
+        out[key] = jax.make_array_from_callback(value.shape, sharding, lambda idx, v=value: v[idx])
+    return out, n
+
+
+def fetch(x: Any) -> np.ndarray:
+    """A global array as numpy on every host (gathered across hosts when it is sharded over them)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils  # only multi-host runs need it
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def host_local_to_global(
     batch: Any, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES, batch_axis: str = "batch"
 ) -> Any:

@@ -18,13 +18,13 @@ import json
 import pathlib
 import random
 
-import jax
 import numpy as np
 
 from caper_jax.data import prm_pipeline as pipe_lib
 from caper_jax.data.spider import load_schemas
 from caper_jax.parallel import multihost
 from caper_jax.prm import localization as loc
+from caper_jax.prm.scoring import scores_in_batches
 from caper_jax.sql.clauses import SqlParseError, split_clauses
 from caper_jax.sql.contract import CLAUSE_ORDER, serialize_schema
 from caper_jax.sql.localize import GoldError, localize
@@ -32,45 +32,10 @@ from caper_jax.sql.tuples import Annotator
 from caper_jax.utils.monitoring import plot_bars
 
 
-def fetch(x) -> np.ndarray:
-    """A global array back on every host as numpy."""
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def replicated_batch(batch: dict, mesh, rules, multiple: int) -> tuple[dict, int]:
-    """The same full batch on every host -> global arrays split over the batch axis.
-
-    Rows are padded to a multiple of the batch shard count; returns (arrays, real row count).
-    """
-    n = len(next(iter(batch.values())))
-    padded = -(-n // multiple) * multiple
-    out = {}
-    for key, value in batch.items():
-        value = np.asarray(value)
-        if padded != n:
-            pad = np.zeros((padded - n,) + value.shape[1:], value.dtype)
-            if key.endswith("_pos") or key == "clause_pos":
-                pad -= 1
-            value = np.concatenate([value, pad])
-        sharding = multihost.batch_sharding(mesh, value.ndim, rules)
-        out[key] = jax.make_array_from_callback(value.shape, sharding, lambda idx, v=value: v[idx])
-    return out, n
-
-
-def _batch_multiple(mesh, rules) -> int:
-    spec = multihost.batch_sharding(mesh, 1, rules).spec[0]
-    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
-    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-
-
 class PrmEvaluator:
     def __init__(self, world, tokenizer, eval_tuples: pathlib.Path, config, mesh, rules):
         self.tokenizer, self.config, self.mesh, self.rules = tokenizer, config, mesh, rules
-        self.multiple = _batch_multiple(mesh, rules)
+        self.multiple = multihost.batch_multiple(mesh, rules)
         records = [json.loads(line) for line in pathlib.Path(eval_tuples).read_text().splitlines() if line]
         random.Random(config.seed).shuffle(records)
         self.tuples = records[: config.data.max_eval_tuples]
@@ -122,9 +87,9 @@ class PrmEvaluator:
             batch = next(iter(pipe_lib.prm_pipeline(
                 chunk, self.tokenizer, global_batch_size=len(chunk), max_len=self.config.data.max_len,
                 bucket_lengths=self.config.data.bucket_lengths, num_epochs=1).dataset))
-            arrays, n = replicated_batch({k: v for k, v in batch.items() if k != "record_index"},
-                                         self.mesh, self.rules, self.multiple)
-            r_pos, r_neg = (fetch(x)[:n] for x in eval_scores(params, arrays))
+            arrays, n = multihost.replicated_batch({k: v for k, v in batch.items() if k != "record_index"},
+                                                   self.mesh, self.rules, self.multiple)
+            r_pos, r_neg = (multihost.fetch(x)[:n] for x in eval_scores(params, arrays))
             order = batch["record_index"]
             for i in range(n):
                 ok = float(r_pos[i] > r_neg[i])
@@ -137,8 +102,6 @@ class PrmEvaluator:
 
     def clause_scores(self, params, clause_scores_fn, rows: list[dict]) -> list[np.ndarray]:
         """Per row, the PRM score of each clause unit of ``row['sql']`` (NaN where it fell off)."""
-        from caper_jax.prm.scoring import scores_in_batches
-
         return scores_in_batches(
             rows, self.tokenizer, lambda *arrays: clause_scores_fn(params, *arrays),
             batch_size=self.config.data.eval_batch_size, max_len=self.config.data.max_len,

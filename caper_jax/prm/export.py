@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from caper_jax.models import hf_io
+from caper_jax.parallel.multihost import fetch
 from caper_jax.prm.model import ClausePRM, backbone_config
 
 HF_ARCHITECTURE = "Qwen3_5TextForSequenceClassification"
@@ -67,12 +68,7 @@ def export_prm_to_hf(model: ClausePRM, out_dir: str | pathlib.Path, tokenizer=No
     process 0 writes.
     """
     config = model.config
-    head = model.score_head[...]
-    if not head.is_fully_addressable:  # sharded across hosts
-        from jax.experimental import multihost_utils
-
-        head = multihost_utils.process_allgather(head, tiled=True)
-    head = np.asarray(jax.device_get(head), np.float32)[None, :]
+    head = np.asarray(fetch(model.score_head[...]), np.float32)[None, :]
 
     def tensors():
         yield from hf_io.hf_state_dict(model.backbone, model.backbone.config)

@@ -52,6 +52,7 @@ from flax import nnx
 from caper_jax.data import prm_pipeline as pipe_lib
 from caper_jax.eval import restore
 from caper_jax.parallel import mesh as mesh_lib
+from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
 from caper_jax.prm import step as step_lib
 from caper_jax.prm.model import ClausePRM
@@ -154,7 +155,7 @@ def clause_names(sql: str) -> list[str]:
         return []
 
 
-# -- batched scoring (shared with caper_jax.prm.evaluation)
+# -- batched scoring (caper_jax.prm.evaluation scores its held-out failures with it too)
 
 
 def _check_rows(rows: Sequence[Mapping[str, Any]]) -> None:
@@ -170,12 +171,10 @@ def scores_in_batches(rows: Sequence[Mapping[str, Any]], tokenizer, scores_fn, *
 
     ``scores_fn(input_ids, mask, clause_pos) -> [B, K]`` runs the PRM on global arrays.
     """
-    from caper_jax.prm.evaluation import _batch_multiple, fetch, replicated_batch
-
     _check_rows(rows)
     if batch_size < 1:
         raise ScoringError(f"batch_size must be >= 1, got {batch_size}")
-    multiple = _batch_multiple(mesh, rules)
+    multiple = multihost.batch_multiple(mesh, rules)
     batch_size = -(-batch_size // multiple) * multiple
     order = sorted(range(len(rows)), key=lambda i: sum(len(rows[i][k]) for k in ("question", "schema", "sql")))
     out: list[np.ndarray | None] = [None] * len(rows)
@@ -187,8 +186,8 @@ def scores_in_batches(rows: Sequence[Mapping[str, Any]], tokenizer, scores_fn, *
         if len(chunk) < batch_size:  # a fixed row count: one compiled program per bucket length
             arrays = {k: np.concatenate([v, np.repeat(v[-1:], batch_size - len(chunk), axis=0)])
                       for k, v in arrays.items()}
-        arrays, _ = replicated_batch(arrays, mesh, rules, multiple)
-        scores = fetch(scores_fn(arrays["input_ids"], arrays["mask"], arrays["clause_pos"]))
+        arrays, _ = multihost.replicated_batch(arrays, mesh, rules, multiple)
+        scores = multihost.fetch(scores_fn(arrays["input_ids"], arrays["mask"], arrays["clause_pos"]))
         for b, i in enumerate(chunk):
             k = len(clause_names(rows[i]["sql"]))
             s = scores[b, :k].astype(np.float64)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from caper_jax.models.sampler import SampleOutput, SamplingConfig, generate
+from caper_jax.parallel.multihost import fetch
 from caper_jax.rl.rewards import pad_clause_ends, spans_to_token_ends
 from caper_jax.sql.clauses import SqlParseError, split_clauses
 from caper_jax.sql.execution import ExecResult, Executors, order_matters, results_equal
@@ -49,15 +50,6 @@ class ScoredCompletion:
     executed: bool            # SQLite ran it without error
     correct: bool             # result equals the gold result
     reward: float             # execution reward (RewardConfig)
-
-
-def fetch(x) -> np.ndarray:
-    """A (possibly multi-host sharded) array as numpy on every host."""
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def sample(model, prompt_ids: jax.Array, prompt_mask: jax.Array, key: jax.Array,
