@@ -20,7 +20,7 @@ from typing import Any
 
 import tensorflow_datasets as tfds
 
-from caper_jax.sql.tuples import AnnotationSettings
+from caper_jax.sql.tuples import AnnotationSettings, AnnotationSummary
 
 beam = tfds.core.lazy_imports.apache_beam
 
@@ -38,13 +38,11 @@ class _AnnotateFn(beam.DoFn):
         self.annotator = Annotator(tuple(pathlib.Path(d) for d in self.database_dir), self.settings, self.tables)
 
     def process(self, element: tuple[int, dict]) -> Iterator[Any]:
-        from caper_jax.data.tfds_caper import _Summary
-
         index, record = element
         annotation = self.annotator(record)
         for j, t in enumerate(annotation.tuples):
             yield f"{index}-{j}", t.as_dict()
-        counts = _Summary()
+        counts = AnnotationSummary()
         counts.add(annotation)
         yield beam.pvalue.TaggedOutput("summary", counts)
 
@@ -55,31 +53,20 @@ class _AnnotateFn(beam.DoFn):
 
 class _MergeSummaries(beam.CombineFn):
     def create_accumulator(self):
-        from caper_jax.data.tfds_caper import _Summary
-
-        return _Summary()
+        return AnnotationSummary()
 
     def add_input(self, accumulator, summary):
-        return merge_summaries(accumulator, summary)
+        return accumulator.merge(summary)
 
     def merge_accumulators(self, accumulators):
         accumulators = iter(accumulators)
         merged = next(accumulators)
         for other in accumulators:
-            merged = merge_summaries(merged, other)
+            merged = merged.merge(other)
         return merged
 
     def extract_output(self, accumulator) -> dict:
         return accumulator.as_dict()
-
-
-def merge_summaries(into, other):
-    """Adds the counts of ``other`` to ``into`` (both ``tfds_caper._Summary``); returns ``into``."""
-    into.trajectories += other.trajectories
-    into.tuples += other.tuples
-    for name in ("sources", "errors", "negatives_by_kind", "tuples_by_kind"):
-        getattr(into, name).update(getattr(other, name))
-    return into
 
 
 def _write_summary(summary: dict, path: str) -> None:

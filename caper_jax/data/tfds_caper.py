@@ -23,7 +23,6 @@ errors by kind) and writes them to ``summary_<split>.json`` next to the data.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import logging
@@ -38,7 +37,7 @@ from tqdm import tqdm
 
 from caper_jax.data import spider as readers
 from caper_jax.utils.jsonl import LineError, read_json_lines
-from caper_jax.sql.tuples import AnnotationSettings, Annotator, PreferenceTuple
+from caper_jax.sql.tuples import AnnotationSettings, AnnotationSummary, Annotator, PreferenceTuple
 
 log = logging.getLogger("caper_jax")
 
@@ -171,7 +170,7 @@ class CaperTuples(tfds.core.GeneratorBasedBuilder):
                        split: str) -> Iterator[tuple[str, dict]]:
         config: CaperConfig = self.builder_config
         annotator = Annotator(database_dir, config.settings, tables)
-        summary = _Summary()
+        summary = AnnotationSummary()
         try:
             for i, record in enumerate(tqdm(trajectories, desc=f"annotate {split}", unit="traj",
                                             disable=not self.show_progress)):
@@ -185,32 +184,6 @@ class CaperTuples(tfds.core.GeneratorBasedBuilder):
         out_dir = pathlib.Path(self.data_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"summary_{split}.json").write_text(json.dumps(self.summary[split], indent=2))
-
-
-class _Summary:
-    def __init__(self):
-        self.trajectories = 0
-        self.tuples = 0
-        self.sources: collections.Counter = collections.Counter()
-        self.errors: collections.Counter = collections.Counter()
-        self.negatives_by_kind: collections.Counter = collections.Counter()
-        self.tuples_by_kind: collections.Counter = collections.Counter()
-
-    def add(self, annotation) -> None:
-        self.trajectories += 1
-        self.tuples += len(annotation.tuples)
-        self.sources[annotation.source] += 1
-        if annotation.error:
-            self.errors[annotation.error] += 1
-        self.negatives_by_kind.update(annotation.negatives_by_kind)
-        self.tuples_by_kind.update(annotation.tuples_by_kind)
-
-    def as_dict(self) -> dict:
-        kinds = sorted(set(self.negatives_by_kind) | set(self.tuples_by_kind))
-        return {"trajectories": self.trajectories, "tuples": self.tuples,
-                "sources": dict(self.sources), "errors": dict(self.errors),
-                "yield_by_kind": {k: {"negatives": self.negatives_by_kind.get(k, 0),
-                                      "tuples": self.tuples_by_kind.get(k, 0)} for k in kinds}}
 
 
 def decode(record: dict) -> PreferenceTuple:

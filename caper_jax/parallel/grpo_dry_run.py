@@ -79,6 +79,7 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) 
     from caper_jax.models.sampler import SamplingConfig, _decode, _prefill
     from caper_jax.prm.model import ClausePRM
     from caper_jax.rl import trainer as rl
+    from caper_jax.rl.rewards import reward_variant
     from caper_jax.utils.optim import init_state, make_optimizer
 
     rules = tuple(tuple(r) for r in config.sharding_rules)
@@ -90,7 +91,7 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) 
         lambda p: init_state(p, tx), mesh, rules)
     state_sharding = jax.tree.map(lambda x: x.sharding, state)
     use_ref = config.rl.beta > 0
-    use_prm = config.reward.variant != "sparse"
+    use_prm = reward_variant(config.reward.variant).uses_prm
     prm_graphdef = prm_params = None
     if use_prm:  # load_prm: the PRM's own preset, this run's compute dtype, no remat
         prm_arch = model_preset(config.model.preset, **dict(runtime, remat="none"))

@@ -5,10 +5,12 @@ Pure functions on padded arrays (docs/grpo.md); the training loop wires them to 
 from caper_jax.rl.advantages import clause_advantages, discounted_return_to_go, normalise_group_rewards
 from caper_jax.rl.logprobs import token_logprobs
 from caper_jax.rl.losses import AGGREGATIONS, aggregate, grpo_loss
-from caper_jax.rl.rewards import VARIANTS, layout_rewards, pad_clause_ends, spans_to_token_ends
+from caper_jax.rl.rewards import (VARIANTS, RewardVariant, layout_rewards, pad_clause_ends, register_variant,
+                                  reward_variant, spans_to_token_ends)
 
 __all__ = [
     "AGGREGATIONS",
+    "RewardVariant",
     "VARIANTS",
     "aggregate",
     "clause_advantages",
@@ -17,6 +19,8 @@ __all__ = [
     "layout_rewards",
     "normalise_group_rewards",
     "pad_clause_ends",
+    "register_variant",
+    "reward_variant",
     "spans_to_token_ends",
     "token_logprobs",
 ]

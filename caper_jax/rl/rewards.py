@@ -23,21 +23,27 @@ Unit ends are sorted and de-duplicated inside the layout (two clauses that end i
 share one PRM score; the later duplicate is dropped), so the output has no holes: units ``0..n-1``
 are valid and ``n..K-1`` are padding, which is what the return-to-go in ``clause_advantages`` expects.
 
+The variants are a registry (``register_variant``): each is a function with one signature, from
+``(clause_ends [B, K], token_mask [B, T] bool)`` to where its units end, ``(ends [B, U] int32, valid
+[B, U] bool)``, registered under its name with whether the PRM score enters its rewards. ``VARIANTS``
+(what the GRPO trainer's config accepts) is the registry's names; everything after the unit ends
+(fallback, sorting, rewards, token ownership) is shared.
+
 ``spans_to_token_ends`` is the host-side bridge from ``caper_jax.sql.clauses.split_clauses`` character
 spans to token positions, using a tokenizer's offset mapping.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Iterable, Literal, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 Array = jax.Array
-Variant = Literal["sparse", "clause", "token"]
-VARIANTS: tuple[str, ...] = ("sparse", "clause", "token")
+UnitEnds = Callable[[Array, Array], tuple[Array, Array]]  # (clause_ends, token_mask) -> (ends, valid)
 
 
 def _last_token(token_mask: Array) -> Array:
@@ -55,9 +61,63 @@ def _sorted_unique_ends(ends: Array, valid: Array, sentinel: int) -> tuple[Array
     return ends, ends < sentinel
 
 
+@dataclasses.dataclass(frozen=True)
+class RewardVariant:
+    name: str
+    unit_ends: UnitEnds  # where the units of each row end, before the unparsed-row fallback
+    uses_prm: bool       # the PRM score enters the unit rewards (so training needs a PRM run)
+
+
+_REGISTRY: dict[str, RewardVariant] = {}
+
+
+def register_variant(name: str, *, uses_prm: bool) -> Callable[[UnitEnds], UnitEnds]:
+    """Decorator: registers a unit-ends function as the reward variant ``name``."""
+    def register(unit_ends: UnitEnds) -> UnitEnds:
+        if name in _REGISTRY:
+            raise ValueError(f"reward variant {name!r} is already registered")
+        _REGISTRY[name] = RewardVariant(name, unit_ends, uses_prm)
+        return unit_ends
+    return register
+
+
+def reward_variant(name: str) -> RewardVariant:
+    """The registered variant ``name``; ValueError naming the registered ones otherwise."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown reward variant {name!r}; expected one of {tuple(_REGISTRY)}") from None
+
+
+@register_variant("sparse", uses_prm=False)
+def _sparse_unit_ends(clause_ends: Array, token_mask: Array) -> tuple[Array, Array]:
+    """One unit, ending at the last completion token (outcome-supervised GRPO)."""
+    last = _last_token(token_mask)
+    return last[:, None], (last >= 0)[:, None]
+
+
+@register_variant("clause", uses_prm=True)
+def _clause_unit_ends(clause_ends: Array, token_mask: Array) -> tuple[Array, Array]:
+    """A unit per clause, ending at its last token; ends outside the completion are dropped (CAPER)."""
+    length = token_mask.shape[1]
+    ends = clause_ends.astype(jnp.int32)
+    in_range = (ends >= 0) & (ends < length)
+    return ends, in_range & jnp.take_along_axis(token_mask, jnp.clip(ends, 0, length - 1), axis=1)
+
+
+@register_variant("token", uses_prm=True)
+def _token_unit_ends(clause_ends: Array, token_mask: Array) -> tuple[Array, Array]:
+    """A unit per completion token."""
+    batch, length = token_mask.shape
+    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)), token_mask
+
+
+VARIANTS: tuple[str, ...] = tuple(_REGISTRY)
+
+
 @functools.partial(jax.jit, static_argnames=("variant",))
 def layout_rewards(
-    variant: Variant,
+    variant: str,
     prm_scores: Array,
     clause_ends: Array,
     exec_rewards: Array,
@@ -71,7 +131,7 @@ def layout_rewards(
     """Unit rewards for ``clause_advantages``.
 
     Args:
-      variant: ``"sparse"``, ``"clause"`` or ``"token"`` (static).
+      variant: a registered variant's name, ``"sparse"``, ``"clause"`` or ``"token"`` (static).
       prm_scores: ``[B, T]`` PRM score of the prefix ending at each token.
       clause_ends: ``[B, K]`` int token index of each clause's last token, -1 for padding. Ignored by
         ``sparse`` and ``token``. Ends outside the completion (token_mask 0) are dropped.
@@ -86,8 +146,7 @@ def layout_rewards(
       ``(clause_rewards [B, U] fp32, clause_mask [B, U] bool, token_clause [B, T] int32)`` with
       ``U = 1`` (sparse), ``K`` (clause) or ``T`` (token); ``token_clause`` is -1 off the completion.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown reward variant {variant!r}; expected one of {VARIANTS}")
+    spec = reward_variant(variant)
     batch, length = token_mask.shape
     if prm_scores.shape != (batch, length):
         raise ValueError(f"prm_scores {prm_scores.shape} must match token_mask {token_mask.shape}")
@@ -100,15 +159,7 @@ def layout_rewards(
     parse_ok = parse_ok.astype(bool)
     last = _last_token(token_mask)
     positions = jnp.arange(length, dtype=jnp.int32)
-
-    if variant == "sparse":
-        ends, valid = last[:, None], (last >= 0)[:, None]
-    elif variant == "clause":
-        ends = clause_ends.astype(jnp.int32)
-        in_range = (ends >= 0) & (ends < length)
-        valid = in_range & jnp.take_along_axis(token_mask, jnp.clip(ends, 0, length - 1), axis=1)
-    else:
-        ends, valid = jnp.broadcast_to(positions, (batch, length)), token_mask
+    ends, valid = spec.unit_ends(clause_ends, token_mask)  # the one step in which variants differ
 
     # Rows that cannot be scored clause by clause fall back to one unit at their last token.
     structured = parse_ok & valid.any(axis=1)
@@ -118,7 +169,7 @@ def layout_rewards(
     valid = jnp.where(structured[:, None], valid, single_valid)
     ends, valid = _sorted_unique_ends(ends, valid, sentinel=length)
 
-    use_prm = float(variant != "sparse")
+    use_prm = float(spec.uses_prm)
     prm_at_end = jnp.take_along_axis(
         prm_scores.astype(jnp.float32), jnp.clip(ends, 0, length - 1), axis=1)
     prm_gain = jnp.where(structured, jnp.asarray(prm_weight, jnp.float32), 0.0) * use_prm

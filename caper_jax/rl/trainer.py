@@ -42,7 +42,7 @@ from caper_jax.utils.optim import TrainState, guarded_update, init_state, learni
 from caper_jax.rl import rollout as rollout_lib
 from caper_jax.rl.advantages import clause_advantages
 from caper_jax.rl.losses import AGGREGATIONS, grpo_loss
-from caper_jax.rl.rewards import VARIANTS, layout_rewards
+from caper_jax.rl.rewards import layout_rewards, reward_variant
 from caper_jax.sft import data as data_lib
 from caper_jax.sft.trainer import (build_policy, cached_program, create_state, finish_policy_run, frozen,
                                    sequence_logprobs)
@@ -254,6 +254,16 @@ def prompt_iterator(num_examples: int, prompts_per_step: int, seed: int) -> grai
     return iter(dataset.to_iter_dataset())
 
 
+def _replicated(batch: dict, mesh, rules) -> dict:
+    """The same host batch on every process -> global arrays split over the batch axis."""
+    out = {}
+    for key, value in batch.items():
+        value = np.asarray(value)
+        sharding = multihost.batch_sharding(mesh, value.ndim, rules)
+        out[key] = jax.make_array_from_callback(value.shape, sharding, lambda idx, v=value: v[idx])
+    return out
+
+
 def _minibatches(batch: dict, count: int):
     rows = next(iter(batch.values())).shape[0]
     size = rows // count
@@ -272,9 +282,11 @@ def validate(config) -> None:
         raise ValueError(f"data.kind={config.data.kind!r}; expected 'demo' or 'spider'")
     if config.model.preset not in PRESETS:
         raise ValueError(f"model.preset={config.model.preset!r}; expected one of {PRESETS}")
-    if config.reward.variant not in VARIANTS:
-        raise ValueError(f"reward.variant={config.reward.variant!r}; expected one of {VARIANTS}")
-    if config.reward.variant != "sparse" and not config.prm.workdir:
+    try:
+        variant = reward_variant(config.reward.variant)
+    except ValueError as error:
+        raise ValueError(f"reward.variant: {error}") from None
+    if variant.uses_prm and not config.prm.workdir:
         raise ValueError(f"reward.variant={config.reward.variant!r} needs prm.workdir (a PRM trainer workdir)")
     if config.policy.sft_workdir and config.model.hf_dir:
         raise ValueError("set at most one of policy.sft_workdir and model.hf_dir (the starting policy)")
@@ -343,7 +355,7 @@ def run(config, workdir: str) -> dict:
     if ref_params is not None:
         ref_params = jax.tree.map(jnp.copy, ref_params)  # the state is donated; the reference must survive
     del policy
-    prm = load_prm(config, vocab, mesh, rules) if config.reward.variant != "sparse" else None
+    prm = load_prm(config, vocab, mesh, rules) if reward_variant(config.reward.variant).uses_prm else None
     if prm is not None:
         prm_graphdef, prm_params = nnx.split(prm)
     update = jit_update(graphdef, tx, config, state_sharding)
@@ -383,11 +395,10 @@ def run(config, workdir: str) -> dict:
                 [examples[i].sql for i in indices], [golds[i] for i in indices], stop_tokens, reward_cfg)
             t_scored = time.perf_counter()
 
-            batch, _ = multihost.replicated_batch(
-                {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
-                 "completion_mask": rollout.completion_mask, "old_logp": rollout.old_logp,
-                 "clause_ends": rollout.clause_ends, "exec_rewards": rollout.exec_rewards,
-                 "parse_ok": rollout.parse_ok}, mesh, rules)
+            batch = _replicated({"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
+                                 "completion_mask": rollout.completion_mask, "old_logp": rollout.old_logp,
+                                 "clause_ends": rollout.clause_ends, "exec_rewards": rollout.exec_rewards,
+                                 "parse_ok": rollout.parse_ok}, mesh, rules)
             n_new = rollout.completion_mask.shape[1]
             if prm is not None:
                 prm_scores = prm_token_scores(prm_params, batch["input_ids"], batch["attention_mask"],

@@ -50,6 +50,7 @@ record when one is given, else of a record built from the SQLite catalogue (``ta
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import pathlib
@@ -298,6 +299,47 @@ class Annotation:
     error: str | None = None                      # error kind when source == "error"
     negatives_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
     tuples_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+class AnnotationSummary:
+    """The build summary: the counts of many ``Annotation``s, added one by one or merged.
+
+    Merging is what lets a distributed build (``caper_jax.data.beam_annotate``) count per worker
+    and still write the same ``summary_<split>.json`` as the one-process build
+    (``caper_jax.data.tfds_caper``).
+    """
+
+    def __init__(self):
+        self.trajectories = 0
+        self.tuples = 0
+        self.sources: collections.Counter = collections.Counter()
+        self.errors: collections.Counter = collections.Counter()
+        self.negatives_by_kind: collections.Counter = collections.Counter()
+        self.tuples_by_kind: collections.Counter = collections.Counter()
+
+    def add(self, annotation: Annotation) -> None:
+        self.trajectories += 1
+        self.tuples += len(annotation.tuples)
+        self.sources[annotation.source] += 1
+        if annotation.error:
+            self.errors[annotation.error] += 1
+        self.negatives_by_kind.update(annotation.negatives_by_kind)
+        self.tuples_by_kind.update(annotation.tuples_by_kind)
+
+    def merge(self, other: AnnotationSummary) -> AnnotationSummary:
+        """Adds the counts of ``other`` to this summary; returns it."""
+        self.trajectories += other.trajectories
+        self.tuples += other.tuples
+        for name in ("sources", "errors", "negatives_by_kind", "tuples_by_kind"):
+            getattr(self, name).update(getattr(other, name))
+        return self
+
+    def as_dict(self) -> dict:
+        kinds = sorted(set(self.negatives_by_kind) | set(self.tuples_by_kind))
+        return {"trajectories": self.trajectories, "tuples": self.tuples,
+                "sources": dict(self.sources), "errors": dict(self.errors),
+                "yield_by_kind": {k: {"negatives": self.negatives_by_kind.get(k, 0),
+                                      "tuples": self.tuples_by_kind.get(k, 0)} for k in kinds}}
 
 
 class Annotator:

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from caper_jax.rl import clause_advantages, layout_rewards, pad_clause_ends, spans_to_token_ends
+from caper_jax.rl import clause_advantages, layout_rewards, pad_clause_ends, rewards, spans_to_token_ends
 
 # Two rows of T = 10: a 2-token prompt, then the completion; row 0 is padded after position 7.
 PRM = np.tile(np.arange(10, dtype=np.float32) / 10, (2, 1))
@@ -145,8 +145,26 @@ def test_layout_feeds_clause_advantages():
     np.testing.assert_allclose(adv, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_a_registered_variant_is_a_layout(monkeypatch):
+    # Units at every second completion token, PRM-free: by hand, row 0 (completion 2..7) ends at
+    # 3, 5, 7 and row 1 (2..9) at 3, 5, 7, 9; the execution reward sits on the last unit only.
+    def every_second(clause_ends, token_mask):
+        positions = jnp.broadcast_to(jnp.arange(token_mask.shape[1], dtype=jnp.int32), token_mask.shape)
+        return positions, token_mask & (positions % 2 == 1)
+
+    monkeypatch.setitem(rewards._REGISTRY, "every_second", rewards.RewardVariant("every_second", every_second, False))
+    out, mask, token_clause = layout("every_second", prm_weight=5.0)
+    np.testing.assert_array_equal(mask.sum(axis=1), [3, 4])
+    np.testing.assert_array_equal(out[:, :4], [[0, 0, 1, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(token_clause, [[-1, -1, 0, 0, 1, 1, 2, 2, -1, -1],
+                                                 [-1, -1, 0, 0, 1, 1, 2, 2, 3, 3]])
+    with pytest.raises(ValueError, match="already registered"):
+        rewards.register_variant("clause", uses_prm=True)(every_second)
+
+
 def test_bad_variant_and_shapes_raise():
-    with pytest.raises(ValueError, match="unknown reward variant"):
+    known = r"\('sparse', 'clause', 'token'\)"
+    with pytest.raises(ValueError, match=rf"unknown reward variant 'dense'; expected one of {known}"):
         layout("dense")
     with pytest.raises(ValueError, match="prm_scores"):
         layout("clause", prm=PRM[:, :5])

@@ -199,6 +199,26 @@ def test_restore_run_params_reads_only_a_whole_checkpoint(world, prm_run, tmp_pa
         T.restore_run_params(tmp_path / "nothing", 0, build, mesh, rules)
 
 
+def test_config_accepts_exactly_the_registered_reward_variants():
+    from caper_jax.rl.rewards import VARIANTS, reward_variant
+
+    assert VARIANTS == ("sparse", "clause", "token")
+    for name in VARIANTS:
+        config = grpo_config()
+        config.reward.variant = name
+        config.prm.workdir = "prm_run" if name != "sparse" else ""  # only sparse trains without a PRM
+        T.validate(config)
+        assert reward_variant(name).uses_prm == (name != "sparse")
+    for name in ("dense", "Clause", "tokens", ""):
+        config = grpo_config()
+        config.reward.variant = name
+        config.prm.workdir = "prm_run"
+        with pytest.raises(ValueError) as refused:
+            T.validate(config)
+        assert str(refused.value) == (f"reward.variant: unknown reward variant {name!r}; "
+                                      "expected one of ('sparse', 'clause', 'token')")
+
+
 def test_bad_config_is_refused():
     config = grpo_config()
     config.reward.variant = "clause"
