@@ -254,16 +254,6 @@ def prompt_iterator(num_examples: int, prompts_per_step: int, seed: int) -> grai
     return iter(dataset.to_iter_dataset())
 
 
-def _replicated(batch: dict, mesh, rules) -> dict:
-    """The same host batch on every process -> global arrays split over the batch axis."""
-    out = {}
-    for key, value in batch.items():
-        value = np.asarray(value)
-        sharding = multihost.batch_sharding(mesh, value.ndim, rules)
-        out[key] = jax.make_array_from_callback(value.shape, sharding, lambda idx, v=value: v[idx])
-    return out
-
-
 def _minibatches(batch: dict, count: int):
     rows = next(iter(batch.values())).shape[0]
     size = rows // count
@@ -395,10 +385,11 @@ def run(config, workdir: str) -> dict:
                 [examples[i].sql for i in indices], [golds[i] for i in indices], stop_tokens, reward_cfg)
             t_scored = time.perf_counter()
 
-            batch = _replicated({"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
-                                 "completion_mask": rollout.completion_mask, "old_logp": rollout.old_logp,
-                                 "clause_ends": rollout.clause_ends, "exec_rewards": rollout.exec_rewards,
-                                 "parse_ok": rollout.parse_ok}, mesh, rules)
+            batch, _ = multihost.replicated_batch(
+                {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
+                 "completion_mask": rollout.completion_mask, "old_logp": rollout.old_logp,
+                 "clause_ends": rollout.clause_ends, "exec_rewards": rollout.exec_rewards,
+                 "parse_ok": rollout.parse_ok}, mesh, rules)
             n_new = rollout.completion_mask.shape[1]
             if prm is not None:
                 prm_scores = prm_token_scores(prm_params, batch["input_ids"], batch["attention_mask"],
