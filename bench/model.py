@@ -101,14 +101,20 @@ def build_models(tmp: str, seed: int):
     return torch_model, jax_model
 
 
-def bench_train(torch_model, jax_model, ids: np.ndarray, repeats: int) -> dict[str, float]:
+def make_train_step(jax_model) -> tuple[Callable, nnx.State]:
+    """The benchmarked JAX step: jitted (loss, grads) of the mean next-token cross-entropy, and the
+    model's state to pass it (``step(state, ids)``); shared with bench/profile_step.py."""
     graphdef, state = nnx.split(jax_model)
 
     def loss_fn(state, ids):
         logits = nnx.merge(graphdef, state)(ids)
         return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
 
-    step = jax.jit(jax.value_and_grad(loss_fn))
+    return jax.jit(jax.value_and_grad(loss_fn)), state
+
+
+def bench_train(torch_model, jax_model, ids: np.ndarray, repeats: int) -> dict[str, float]:
+    step, state = make_train_step(jax_model)
     ids_jax = jnp.asarray(ids)
     start = time.perf_counter()
     jax_loss, _ = jax.block_until_ready(step(state, ids_jax))

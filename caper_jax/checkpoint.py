@@ -41,6 +41,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from caper_jax.utils.errors import CheckpointError
+
 MANIFEST = "caper_manifest.json"
 MANIFEST_FORMAT = 1
 _TMP_MARKER = ".orbax-checkpoint-tmp"
@@ -48,10 +50,6 @@ CORRUPT_MARKER = ".corrupt-"
 _CHUNK = 16 << 20
 
 _log = logging.getLogger(__name__)
-
-
-class CheckpointError(RuntimeError):
-    """A verified checkpoint cannot serve the requested restore (e.g. it has no data iterator state)."""
 
 
 @dataclasses.dataclass(frozen=True)

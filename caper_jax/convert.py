@@ -40,7 +40,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from caper_jax.models import Qwen35Config, Qwen35ForCausalLM, from_hf, to_hf
-from caper_jax.models.hf_io import CheckpointError, abstract_model
+from caper_jax.models.hf_io import abstract_model
 from caper_jax.parallel.rules import logical_to_sharding
 from caper_jax.utils import atomic
 

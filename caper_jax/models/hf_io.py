@@ -36,6 +36,7 @@ from caper_jax.models.config import Qwen35Config
 from caper_jax.models.qwen35 import Qwen35ForCausalLM, to_dtype
 from caper_jax.parallel.multihost import fetch
 from caper_jax.parallel.rules import logical_to_spec
+from caper_jax.utils.errors import CheckpointError
 
 ParamPath = tuple[Any, ...]
 _PROJECTIONS = frozenset({
@@ -46,10 +47,6 @@ _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 _TEXT_PREFIXES = ("model.language_model.", "model.")
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that does not hold a loadable Qwen3.5 text model."""
 
 
 # Name mapping -----------------------------------------------------------------------------------

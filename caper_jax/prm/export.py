@@ -18,6 +18,7 @@ from flax import nnx
 from caper_jax.models import hf_io
 from caper_jax.parallel.multihost import fetch
 from caper_jax.prm.model import ClausePRM, backbone_config
+from caper_jax.utils.errors import CheckpointError
 
 HF_ARCHITECTURE = "Qwen3_5TextForSequenceClassification"
 SCORE_TENSOR = "score.weight"
@@ -43,13 +44,13 @@ def load_prm_from_hf(hf_dir: str | pathlib.Path, mesh=None, rules=None, *, dtype
     hf_dir = pathlib.Path(hf_dir)
     architectures = json.loads((hf_dir / "config.json").read_text()).get("architectures") or []
     if HF_ARCHITECTURE not in architectures:
-        raise hf_io.CheckpointError(f"{hf_dir} is a {architectures} checkpoint, not a Clause-PRM export "
+        raise CheckpointError(f"{hf_dir} is a {architectures} checkpoint, not a Clause-PRM export "
                                     f"({HF_ARCHITECTURE}): its score head would be random")
     backbone, config = hf_io.from_hf(hf_dir, dtype=dtype, mesh=mesh, rules=rules, allow_unused=(SCORE_TENSOR,),
                                      **runtime)
     head = hf_io.read_tensor(hf_dir, SCORE_TENSOR)
     if head.shape != (1, config.hidden_size):
-        raise hf_io.CheckpointError(f"{hf_dir}: {SCORE_TENSOR} has shape {head.shape}, expected (1, {config.hidden_size})")
+        raise CheckpointError(f"{hf_dir}: {SCORE_TENSOR} has shape {head.shape}, expected (1, {config.hidden_size})")
     prm = ClausePRM(config, rngs=nnx.Rngs(0), backbone=backbone)
     value = jnp.asarray(head[0], jnp.float32)
     if mesh is not None:

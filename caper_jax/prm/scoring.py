@@ -57,6 +57,7 @@ from caper_jax.parallel import rules as rules_lib
 from caper_jax.prm import step as step_lib
 from caper_jax.prm.model import ClausePRM
 from caper_jax.sql.clauses import SqlParseError, split_clauses
+from caper_jax.utils.errors import CheckpointError
 
 AGGREGATES = ("min", "mean", "last")
 VOTE_PREFIX = "vote_"
@@ -281,7 +282,6 @@ def restore_prm(step_dir: pathlib.Path, config: Mapping[str, Any], mesh, rules, 
 
 def load_hf_prm(hf_dir: str | pathlib.Path, mesh, rules, *, dtype: str = "float32") -> ClausePRM:
     """A ClausePRM from an ``export_prm_to_hf`` directory (backbone tensors + ``score.weight``)."""
-    from caper_jax.models.hf_io import CheckpointError
     from caper_jax.prm.export import load_prm_from_hf
 
     try:

@@ -33,13 +33,10 @@ from caper_jax.prm.model import ClausePRM
 from caper_jax.prm import step as step_lib
 from caper_jax.utils import optim as optim_lib
 from caper_jax.sql.tuples import TUPLE_FORMAT, AnnotationSettings
+from caper_jax.utils.errors import NonFiniteLossError
 from caper_jax.utils.monitoring import MetricWriter, Progress, plot_curves, read_metrics
 
 log = logging.getLogger("caper_jax")
-
-
-class NonFiniteLossError(RuntimeError):
-    """The run kept producing non-finite losses or gradients."""
 
 
 def loss_config(config) -> PairLossConfig:

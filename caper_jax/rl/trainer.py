@@ -46,13 +46,10 @@ from caper_jax.rl.rewards import layout_rewards, reward_variant
 from caper_jax.sft import data as data_lib
 from caper_jax.sft.trainer import (build_policy, cached_program, create_state, finish_policy_run, frozen,
                                    sequence_logprobs)
+from caper_jax.utils.errors import NonFiniteLossError
 from caper_jax.utils.monitoring import MetricWriter, Progress
 
 log = logging.getLogger("caper_jax")
-
-
-class NonFiniteLossError(RuntimeError):
-    """The run kept producing non-finite losses or gradients."""
 
 
 class RunLoadError(ValueError):

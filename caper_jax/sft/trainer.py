@@ -31,13 +31,10 @@ from caper_jax.parallel import rules as rules_lib
 from caper_jax.utils.optim import TrainState, guarded_update, init_state, learning_rate, make_optimizer
 from caper_jax.rl.logprobs import token_logprobs
 from caper_jax.sft import data as data_lib
+from caper_jax.utils.errors import NonFiniteLossError
 from caper_jax.utils.monitoring import MetricWriter, Progress, plot_curves, read_metrics
 
 log = logging.getLogger("caper_jax")
-
-
-class NonFiniteLossError(RuntimeError):
-    """The run kept producing non-finite losses or gradients."""
 
 
 # -- model
