@@ -74,7 +74,7 @@ def validate_eval_config(config) -> None:
 
     from caper_jax.parallel import mesh as mesh_lib
     from caper_jax.parallel import rules as rules_lib
-    from caper_jax.prm.scoring import AGGREGATES
+    from caper_jax.prm.aggregates import AGGREGATES
 
     if bool(config.policy.workdir) == bool(config.policy.hf_dir):
         raise ValueError("set exactly one of policy.workdir and policy.hf_dir")

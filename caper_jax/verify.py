@@ -56,10 +56,10 @@ from caper_jax.data.spider import DataError, MissingDatabaseError, db_path, load
 from caper_jax.sql.semantics import SEMANTICS, check_semantics
 from caper_jax.evaluate_ex import (DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, PredictionError, grade_predictions,
                                    majority_vote)
+from caper_jax.prm.aggregates import AGGREGATES
 from caper_jax.sql.execution import Executor
 from caper_jax.utils import atomic, jsonl
 
-AGGREGATES = ("min", "mean", "last")  # == caper_jax.prm.scoring.AGGREGATES (no jax import at parse time)
 Report = Callable[[str], None]
 
 

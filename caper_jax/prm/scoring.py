@@ -55,13 +55,11 @@ from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
 from caper_jax.prm import step as step_lib
+from caper_jax.prm.aggregates import AGGREGATES, SELECTORS, VOTE_PREFIX
 from caper_jax.prm.model import ClausePRM
 from caper_jax.sql.clauses import SqlParseError, split_clauses
 from caper_jax.utils.errors import CheckpointError
 
-AGGREGATES = ("min", "mean", "last")
-VOTE_PREFIX = "vote_"
-SELECTORS = AGGREGATES + tuple(VOTE_PREFIX + how for how in AGGREGATES)   # every PRM reranker, as reported
 DEFAULT_MAX_LEN = 1024
 
 
