@@ -181,11 +181,6 @@ def assemble_rollout(prompt_ids: np.ndarray, prompt_mask: np.ndarray, output: Sa
     )
 
 
-def completion_scores(token_scores: jax.Array, prompt_len: int) -> jax.Array:
-    """PRM scores ``[B, P + N]`` of a whole sequence -> the completion's ``[B, N]``."""
-    return token_scores[:, prompt_len:]
-
-
 def greedy_predictions(model, tokenizer, prompts: Sequence[str], *, max_prompt_len: int, max_new_tokens: int,
                        stop_tokens: Sequence[int], batch_size: int) -> list[str]:
     """Greedy SQL for each prompt (batched, left-padded; the last batch is padded to ``batch_size`` so
