@@ -14,7 +14,7 @@ decoding, clause splitting and SQL execution in between allocate nothing on the 
 
 Placement is the real run's: the same jitted functions, params sharded by the config's rules,
 prompts replicated (the trainer hands the sampler host arrays), caches as the compiled prefill lays
-them out, the scoring / update batches split over ``data × fsdp`` (``trainer._replicated``).
+them out, the scoring / update batches split over ``data × fsdp`` (``multihost.replicated_batch`` in the trainer).
 
 What is resident while a program runs: its own peak (``argument + output − alias + temp``,
 ``dry_run.report``) plus the step's persistent buffers that are not its arguments — the policy's
