@@ -16,8 +16,11 @@ What the trace holds on this jax (0.10.2, XLA:CPU thunk runtime), and what the r
   * ``perfetto_trace.json.gz``: Chrome-trace ``X`` events; one per executed HLO thunk, on the
     thread that ran it (the XLA Eigen pool and the PjRt client thread), with ``args.hlo_module``
     (e.g. ``jit_loss_fn``) and ``args.hlo_op`` (the HLO instruction name, e.g. ``dot.195``,
-    ``ynn_fusion.145``, ``copy_bitcast_fusion.27``). Events without ``hlo_op`` (``end: ...``
-    completion markers, ``ThunkExecutor::Execute``, threadpool bookkeeping) are runtime, not ops.
+    ``ynn_fusion.145``, ``copy_bitcast_fusion.27``). An op's time is its event's duration. The
+    ``end: NAME`` markers (no args, any thread) are not used: they are the executor's completion
+    callbacks, and their lag is callback latency, not work (full-size step: output ``copy``s with
+    a 1 ms event get their marker ~2 s later; the markers' lags add up to 7 x the step). Other
+    events (``ThunkExecutor::Execute``, threadpool bookkeeping) are runtime.
     Op events carry no metadata: no op_name, no source location.
   * So each ``hlo_op`` is looked up in the optimized HLO text of the same executable
     (``Compiled.as_text()``; for ``--decode``, XLA's ``--xla_dump_to`` text of the sampler's two
@@ -513,7 +516,11 @@ def main(argv: list[str] | None = None) -> dict:
         events, walls = profile_calls(decode_call, 1, os.path.join(trace_dir, "decode"))
         names = {(e.get("args") or {}).get("hlo_module") for e in events} - {None}
         modules = dumped_modules(dump_dir, names)
-        shutil.rmtree(dump_dir)   # the dump also holds every kernel's LLVM IR and object file
+        for path in glob.glob(os.path.join(dump_dir, "*")):   # keep the HLO texts, not every kernel's IR
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif not path.endswith(".cpu_after_optimizations.txt"):
+                os.remove(path)
         decode = reduce_trace(events, modules, walls)
         decode.update(hlo_modules=sorted(modules), prompts=[n_prompts, prompt_len], new_tokens=new,
                       tokens_per_s=n_prompts * new / decode["wall_s"])
