@@ -53,7 +53,9 @@ Categories, first match wins:
   loss            ... in optax's cross-entropy or loss_fn (log-softmax over the vocab, the gather);
                   for --decode the sampler's own ops (log-softmax over the vocab, argmax)
   elementwise/other  everything else (MLP's SiLU, DeltaNet gates, embedding, residual adds, ...)
-  host/runtime gaps  step wall time minus the sum of the op times
+  host/runtime gaps  step wall time minus the sum of the op times: no op event running. Not all
+                  host overhead: the full-size step's largest gaps (0.5-1.7 s) are full of thread-pool
+                  task regions (``ThreadpoolListener::StartRegion``), pool work that no op event covers
 
 Op times: per thread only the innermost op counts (while/conditional/call thunks contain their
 bodies and are not counted themselves), and where ops run at once on several threads each gets an
