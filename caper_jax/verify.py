@@ -241,6 +241,11 @@ def read_failures(data_dir: str | os.PathLike, split: str, predictions: str | os
                     skipped["unknown_db"] += 1
                     report(f"{predictions}:{line_number}: skipped: database {record['db_id']!r} not in the schemas")
                     continue
+                # A failure that may answer the question (a tie, a type-only difference, a literal's
+                # case: docs/annotation.md 2a) has no root to find; the demo world marks its own.
+                if record.get("kind") == "suspect" or record.get("suspect"):
+                    skipped["suspect"] += 1
+                    continue
                 root, source = record.get("root_clause") or record.get("true_root_clause"), "given"
                 if root is None:
                     executor = databases.executor(record["db_id"])
@@ -258,6 +263,10 @@ def read_failures(data_dir: str | os.PathLike, split: str, predictions: str | os
                         continue
                     if found.correct:
                         skipped["correct"] += 1
+                        continue
+                    if found.suspect:
+                        skipped["suspect"] += 1
+                        report(f"{predictions}:{line_number}: skipped: suspect failure ({found.suspect})")
                         continue
                     root, source = found.root_clause, "annotator"
                 try:

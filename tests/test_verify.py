@@ -343,9 +343,15 @@ def test_localization_report_given_and_annotator_roots(prm_run, tmp_path):
     given = [r for r in records if r["true_root_clause"]][:12]
     unlabeled = [{"index": r["index"], "pred": r["pred"]} for r in records if r["true_root_clause"]][12:16]
     correct = [{"index": r["index"], "pred": r["gold"]} for r in records[:2]]  # the annotator says: correct
-    path = write_lines(tmp_path / "p.jsonl", given + unlabeled + correct + ["{", {"question": "q"}])
+    # Failures without an error: the demo marks its own (kind "suspect"); without the mark the
+    # annotator's suspect check (sql/suspects.py) finds the same ones. Neither has a root to score.
+    suspects = [r for r in records if r["kind"] == "suspect"][:2]
+    assert suspects, "the demo world makes suspect failures (PREDICTION_MIX)"
+    unmarked = [{"index": r["index"], "pred": r["pred"]} for r in suspects]
+    path = write_lines(tmp_path / "p.jsonl", given + unlabeled + correct + suspects + unmarked
+                       + ["{", {"question": "q"}])
     rows, skipped = verify.read_failures(world, "dev", path, report=lambda m: None)
-    assert len(rows) == 16 and skipped == {"correct": 2, "malformed": 2}
+    assert len(rows) == 16 and skipped == {"correct": 2, "malformed": 2, "suspect": 2 * len(suspects)}
     assert [r["root"] for r in rows[:12]] == [r["true_root_clause"] for r in given]
     assert {r["root_source"] for r in rows[12:]} == {"annotator"}
     perfect = verify.localization_report(OracleScorer(True), rows, tmp_path / "perfect", skipped)
