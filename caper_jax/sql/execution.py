@@ -269,9 +269,13 @@ class Executor:
             cursor.execute(sql)
             rows = cursor.fetchmany(self.max_rows + 1)
         except sqlite3.ProgrammingError as error:
-            if "one statement at a time" not in str(error):
-                raise  # misuse of the executor (e.g. after close), not bad SQL
-            return ExecResult(error_kind="forbidden", error=str(error))
+            if "one statement at a time" in str(error):
+                return ExecResult(error_kind="forbidden", error=str(error))
+            if "number of bindings" in str(error):
+                # A parameter placeholder (?, :name, @name, $name) that nothing binds: a sampled
+                # completion wrote one. Not a query we can answer; not a fault of the executor.
+                return ExecResult(error_kind="parse", error=f"SQL has unbound parameters: {error}")
+            raise  # misuse of the executor (e.g. after close), not bad SQL
         except sqlite3.DatabaseError as error:
             if str(error).startswith("Could not decode to UTF-8"):
                 raise _NotUtf8 from error

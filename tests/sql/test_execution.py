@@ -61,6 +61,10 @@ HOSTILE = [
     ("SELEC Name FROM singer", "parse"),
     ("SELECT 'unterminated", "parse"),
     ("SELECT Name FROM singer\x00", "parse"),   # a sampled completion held one; sqlite3 raises ValueError
+    # Parameter placeholders nothing binds: a sampled completion wrote one (it stopped a reproduction).
+    ("SELECT Name FROM singer WHERE Age > ?", "parse"),
+    ("SELECT Name FROM singer WHERE Name = :name", "parse"),
+    ("SELECT Name FROM singer WHERE Name = @name OR Name = $other", "parse"),
     ("SELECT nope FROM singer", "runtime"),
 ]
 
