@@ -5,6 +5,7 @@ test module runs its module-level setup and ties one file's helpers to another f
 pytest owns conftest.py's import. Heavy imports (jax, torch, transformers) stay inside the helpers
 so that a SQL test importing this module does not pay for them.
 """
+import fcntl
 import itertools
 import os
 import pathlib
@@ -187,7 +188,52 @@ def build_hf_model(name: str, seed: int = 0):
     return model
 
 
-# -- Trainer workdirs built from random tiny models (tests/test_eval_policy.py, prm/test_sft_init.py)
+# -- Trainer workdirs built from random tiny models (tests/test_verify.py, test_eval_policy.py,
+#    prm/test_sft_init.py)
+
+def session_root(tmp_path_factory) -> pathlib.Path:
+    """A directory shared by the whole pytest session, xdist workers included."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def build_prm_run(root: pathlib.Path) -> pathlib.Path:
+    """A PRM trainer workdir (random tiny Clause-PRM): demo world + tokenizer, checkpoint, HF export.
+
+    Built once per pytest session under a file lock (test_verify, test_eval_policy and
+    prm/test_sft_init share it).
+    """
+    workdir = root / "prm_run"
+    with open(root / "prm_run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (workdir / "READY").exists():
+            _write_prm_run(workdir)
+            (workdir / "READY").touch()
+    return workdir
+
+
+def _write_prm_run(workdir: pathlib.Path) -> None:
+    from flax import nnx
+
+    from caper_jax import checkpoint as ckpt_lib
+    from caper_jax.data.demo_world import build_demo_world
+    from caper_jax.data.tokenizer import build_demo_tokenizer
+    from caper_jax.models.presets import model_preset
+    from caper_jax.prm.export import export_prm_to_hf
+    from caper_jax.prm.model import ClausePRM
+    from caper_jax.utils.optim import init_state, make_optimizer
+    from configs.prm import get_config
+
+    world = build_demo_world(workdir / "demo_world", seed=0, train_size=150, dev_size=80)
+    tokenizer = build_demo_tokenizer(world / "tokenizer")
+    config = get_config()
+    config.data.dir = str(world)
+    model = ClausePRM(model_preset("tiny", vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
+    state = init_state(nnx.state(model), make_optimizer(config.optim))
+    with ckpt_lib.Checkpointer(workdir / "checkpoints") as checkpointer:
+        checkpointer.save(7, state, config=config.to_dict(), force=True)
+    export_prm_to_hf(model, workdir / "hf_export", tokenizer)
+
 
 def build_policy_run(root: pathlib.Path, world: pathlib.Path) -> pathlib.Path:
     """An SFT trainer workdir holding a random tiny policy (the trainer's checkpoint layout)."""

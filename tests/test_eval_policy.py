@@ -15,8 +15,7 @@ from caper_jax.evaluate_ex import evaluate_ex
 from caper_jax.prm import scoring
 from caper_jax.sft.data import SftExample
 from caper_jax.sql.execution import Executors
-from tests.helpers import REPO, build_policy_run
-from tests.test_verify import build_prm_run, session_root
+from tests.helpers import REPO, build_policy_run, build_prm_run, session_root
 
 WRONG_ROWS = "SELECT 'no such answer', 12345"
 WRONG_ERROR = "SELECT * FROM no_such_table"

@@ -5,9 +5,7 @@ mutants (caper_jax.sql.mutations) with a rule-based stand-in PRM; ``evaluate ex`
 implementation of first / majority vote); one separate forward per clause prefix for the batched
 scorer; a random tiny PRM, saved as a trainer workdir and as an HF export, for the real model path.
 """
-import fcntl
 import json
-import os
 import pathlib
 import random
 import shutil
@@ -20,53 +18,11 @@ from caper_jax.evaluate_ex import evaluate_ex
 from caper_jax.prm import scoring
 from caper_jax.sql.clauses import split_clauses
 from caper_jax.sql.execution import Executor, order_matters, results_equal
+from tests.helpers import build_prm_run, session_root
 
 GARBAGE = "SELEC name FRM ((("
 GARBAGE_2 = "this is not SQL"
 MAX_LEN, BUCKETS = 256, (256,)
-
-
-def session_root(tmp_path_factory) -> pathlib.Path:
-    """A directory shared by the whole pytest session, xdist workers included."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
-def build_prm_run(root: pathlib.Path) -> pathlib.Path:
-    """A PRM trainer workdir (random tiny Clause-PRM): demo world + tokenizer, checkpoint, HF export.
-
-    Built once per pytest session under a file lock (tests/test_eval_policy.py reuses it).
-    """
-    workdir = root / "prm_run"
-    with open(root / "prm_run.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (workdir / "READY").exists():
-            _write_prm_run(workdir)
-            (workdir / "READY").touch()
-    return workdir
-
-
-def _write_prm_run(workdir: pathlib.Path) -> None:
-    from flax import nnx
-
-    from caper_jax import checkpoint as ckpt_lib
-    from caper_jax.data.demo_world import build_demo_world
-    from caper_jax.data.tokenizer import build_demo_tokenizer
-    from caper_jax.models.presets import model_preset
-    from caper_jax.prm.export import export_prm_to_hf
-    from caper_jax.prm.model import ClausePRM
-    from caper_jax.utils.optim import init_state, make_optimizer
-    from configs.prm import get_config
-
-    world = build_demo_world(workdir / "demo_world", seed=0, train_size=150, dev_size=80)
-    tokenizer = build_demo_tokenizer(world / "tokenizer")
-    config = get_config()
-    config.data.dir = str(world)
-    model = ClausePRM(model_preset("tiny", vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
-    state = init_state(nnx.state(model), make_optimizer(config.optim))
-    with ckpt_lib.Checkpointer(workdir / "checkpoints") as checkpointer:
-        checkpointer.save(7, state, config=config.to_dict(), force=True)
-    export_prm_to_hf(model, workdir / "hf_export", tokenizer)
 
 
 @pytest.fixture(scope="module")

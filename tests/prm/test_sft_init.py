@@ -12,8 +12,7 @@ from caper_jax.eval import policy as policy_lib
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel.rules import DEFAULT_RULES
 from caper_jax.prm import trainer as prm_trainer
-from tests.helpers import build_policy_run
-from tests.test_verify import build_prm_run, session_root
+from tests.helpers import build_policy_run, build_prm_run, session_root
 
 
 @pytest.fixture(scope="module")
