@@ -46,6 +46,7 @@ from bench._common import start_load_check  # noqa: E402
 from caper_jax.models import Qwen35Config, from_hf  # noqa: E402
 from caper_jax.models.sampler import SamplingConfig, generate  # noqa: E402
 from caper_jax.parallel.dry_run import jaxpr_matmul_flops  # noqa: E402
+from caper_jax.sft.trainer import sequence_logprobs  # noqa: E402
 
 BENCH_CONFIG = dict(
     vocab_size=32_000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
@@ -101,20 +102,35 @@ def build_models(tmp: str, seed: int):
     return torch_model, jax_model
 
 
-def make_train_step(jax_model) -> tuple[Callable, nnx.State]:
+LOSSES = ("logits", "chunked")
+
+
+def make_train_step(jax_model, loss: str = "logits", chunk_size: int = 128) -> tuple[Callable, nnx.State]:
     """The benchmarked JAX step: jitted (loss, grads) of the mean next-token cross-entropy, and the
-    model's state to pass it (``step(state, ids)``); shared with bench/profile_step.py."""
+    model's state to pass it (``step(state, ids)``); shared with bench/profile_step.py.
+
+    ``loss="logits"``: the [B, T, V] logits, then cross-entropy on ``logits[:, :-1]`` (what
+    transformers' ``labels=`` loss does). ``loss="chunked"``: the path the SFT and PRM trainers take
+    (``caper_jax.sft.trainer.sequence_logprobs``): the head on the first T-1 hidden states only, a
+    ``chunk_size``-position chunk at a time, each chunk's logits recomputed in the backward instead
+    of kept. The same function: both losses agree to fp32 rounding (main prints the difference).
+    """
+    if loss not in LOSSES:
+        raise ValueError(f"loss={loss!r}; expected one of {LOSSES}")
     graphdef, state = nnx.split(jax_model)
 
     def loss_fn(state, ids):
-        logits = nnx.merge(graphdef, state)(ids)
+        model = nnx.merge(graphdef, state)
+        if loss == "chunked":
+            return -sequence_logprobs(model, ids, jnp.ones_like(ids), chunk_size=chunk_size).mean()
+        logits = model(ids)
         return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
 
     return jax.jit(jax.value_and_grad(loss_fn)), state
 
 
-def bench_train(torch_model, jax_model, ids: np.ndarray, repeats: int) -> dict[str, float]:
-    step, state = make_train_step(jax_model)
+def bench_train(torch_model, jax_model, ids: np.ndarray, repeats: int, loss: str = "logits") -> dict[str, float]:
+    step, state = make_train_step(jax_model, loss)
     ids_jax = jnp.asarray(ids)
     start = time.perf_counter()
     jax_loss, _ = jax.block_until_ready(step(state, ids_jax))
@@ -184,6 +200,8 @@ def main() -> None:
     n_params = sum(p.numel() for p in torch_model.parameters())
     train_ids = rng.integers(0, BENCH_CONFIG["vocab_size"], (4, 512), dtype=np.int32)
     train = bench_train(torch_model, jax_model, train_ids, args.repeats)
+    # The trainers' loss path on the same batch, against PyTorch again (alternating, same load).
+    chunked = bench_train(torch_model, jax_model, train_ids, args.repeats, loss="chunked")
     prompts = rng.integers(1, BENCH_CONFIG["vocab_size"], (8, 64), dtype=np.int32)
     decode = bench_decode(torch_model, jax_model, prompts, args.new_tokens, args.repeats)
 
@@ -202,6 +220,11 @@ def main() -> None:
     print(f"train roofline: {train['matmul_flops'] / 1e9:.1f} GFLOP matmul -> floor {floor_s:.3f} s at "
           f"{peak:.0f} GFLOP/s; jax at {mark(format(floor_s / train['jax_s'], '.0%'))} of it, "
           f"torch at {mark(format(floor_s / train['torch_s'], '.0%'))}")
+    print(f"train 4x512 fwd+bwd, the trainers' chunked loss (sft.trainer.sequence_logprobs): jax "
+          f"{chunked['jax_s']:.3f} s, torch {chunked['torch_s']:.3f} s, ratio jax/torch "
+          f"{mark(format(chunked['jax_s'] / chunked['torch_s'], '.2f'))}; jax at "
+          f"{mark(format(floor_s / chunked['jax_s'], '.0%'))} of the roofline (the full-logits step's "
+          f"matmul FLOPs); |loss diff| {chunked['loss_diff']:.2e}")
     print(f"greedy decode 8x{args.new_tokens}: jax {decode['jax_tok_s']:.0f} tok/s, torch "
           f"{decode['torch_tok_s']:.0f} tok/s, ratio {mark(format(decode['jax_tok_s'] / decode['torch_tok_s'], '.2f'))} "
           f"(target >= 3); process CPU s: jax {decode['jax_cpu_s']:.2f}, torch {decode['torch_cpu_s']:.2f}; "
