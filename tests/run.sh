@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 # The 2-process test runs alone after the rest: XLA's Gloo collectives give a peer 30 s to reach
 # the first collective, which a heavy end-to-end test on the other worker can exceed.
 SERIAL=tests/parallel/test_multiprocess.py
-python -m pytest -q -n 2 --dist loadfile tests --ignore="$SERIAL" "$@"
+python -m pytest -q -n 2 --dist loadfile --durations=25 tests --ignore="$SERIAL" "$@"
 rc=$?
 python -m pytest -q -p no:xdist "$SERIAL" "$@"
 rc2=$?
