@@ -51,6 +51,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from sqlglot import exp
 
+from caper_jax.sql.labelled import label_tree
+
 # --------------------------------------------------------------------------------------------
 # What the schema proves.
 
@@ -347,7 +349,6 @@ def count_not_null(tree: exp.Expression, facts: SchemaFacts) -> None:
 
 
 def _key(node: exp.Expression) -> tuple:
-    from caper_jax.sql.canonical import label_tree    # canonical imports this module
     return label_tree(node).key()
 
 
