@@ -1,6 +1,6 @@
 """The miniature CAPER experiment, end to end (caper_jax/reproduce.py has the stages).
 
-Built-in default — 2 CPU cores, no downloads, 22 minutes measured: the demo world; SFT of a tiny
+Built-in default — 2 CPU cores, no downloads, 28 minutes measured (2026-12-01): the demo world; SFT of a tiny
 Qwen3.5-architecture policy; k samples per question; annotation; a Clause-PRM trained on the
 annotated samples; GRPO with sparse, token-level and clause-level (CAPER) rewards over several
 seeds at equal budgets; greedy EX, MV@k and PRM best-of-k of every policy; PRM root-cause

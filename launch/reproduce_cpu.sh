@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The miniature CAPER reproduction on a CPU machine, from a fresh clone (22 minutes measured on 2 idle cores):
+# The miniature CAPER reproduction on a CPU machine, from a fresh clone (28 minutes measured on 2 cores, 2026-12-01):
 #
 #   bash launch/reproduce_cpu.sh runs/reproduce [--config.x=y ...]
 #
