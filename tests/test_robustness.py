@@ -228,8 +228,10 @@ def interrupt_during_query(args: list, marker: bytes, *, delay_s: float = 1.5) -
     Returns (exit status, stdout, stderr). Fails if the process does not stop within 30 s of the
     signal (a swallowed interrupt would let it run on to its 120 s query timeout).
     """
+    # SIGINT back to its default in the child: a suite started as a background job of a script
+    # (nohup ... &) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
     proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = b""
     deadline = time.monotonic() + 180
     try:

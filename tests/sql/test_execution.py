@@ -273,19 +273,25 @@ def test_ctrl_c_inside_a_query_raises_keyboard_interrupt_and_is_not_cached(db_co
     import threading
 
     endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
-    with Executor(db_copy, timeout_s=60) as executor:
-        timer = threading.Timer(0.5, signal.raise_signal, (signal.SIGINT,))  # delivered to the main thread
-        timer.start()
-        start = time.monotonic()
-        with pytest.raises(KeyboardInterrupt, match="SQLite query interrupted"):
-            executor.execute(endless)
-        assert time.monotonic() - start < 10
-        timer.join()
-        # A real timeout is still a timeout, and the interrupted query was not cached as anything.
-        short = Executor(db_copy, timeout_s=0.2)
-        assert short.execute(endless).error_kind == "timeout"
-        short.close()
-        assert executor.execute("SELECT count(*) FROM singer").rows == ((6,),)
+    # Python's own Ctrl-C handler, whatever the suite inherited (a background job of a script starts
+    # with SIGINT ignored, and then no KeyboardInterrupt would ever come).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with Executor(db_copy, timeout_s=60) as executor:
+            timer = threading.Timer(0.5, signal.raise_signal, (signal.SIGINT,))  # delivered to the main thread
+            timer.start()
+            start = time.monotonic()
+            with pytest.raises(KeyboardInterrupt, match="SQLite query interrupted"):
+                executor.execute(endless)
+            assert time.monotonic() - start < 10
+            timer.join()
+            # A real timeout is still a timeout, and the interrupted query was not cached as anything.
+            short = Executor(db_copy, timeout_s=0.2)
+            assert short.execute(endless).error_kind == "timeout"
+            short.close()
+            assert executor.execute("SELECT count(*) FROM singer").rows == ((6,),)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_file_that_is_not_a_database_is_refused(tmp_path):
