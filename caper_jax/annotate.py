@@ -184,7 +184,7 @@ def run_build(config: ConfigDict, beam_options: str | None = None) -> dict[str, 
         manual_dir = str(pathlib.Path(config.data_dir or tfds.core.constants.DATA_DIR).expanduser()
                          / "caper_demo_world")
     if config.name == "demo":   # reuses a finished build with the same settings
-        from caper_jax.data.demo_world import build_demo_world
+        from caper_jax.demo.world import build_demo_world
         build_demo_world(manual_dir, seed=config.data.demo_seed)
     if not manual_dir:
         raise app.UsageError("set --config.data.manual_dir to a Spider/BIRD layout directory")

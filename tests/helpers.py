@@ -216,7 +216,7 @@ def _write_prm_run(workdir: pathlib.Path) -> None:
     from flax import nnx
 
     from caper_jax import checkpoint as ckpt_lib
-    from caper_jax.data.demo_world import build_demo_world
+    from caper_jax.demo.world import build_demo_world
     from caper_jax.data.tokenizer import build_demo_tokenizer
     from caper_jax.models.presets import model_preset
     from caper_jax.prm.export import export_prm_to_hf

@@ -1,7 +1,8 @@
-"""An offline byte-level BPE tokenizer for the demo world (no downloads, deterministic).
+"""An offline byte-level BPE tokenizer trainer (no downloads, deterministic), for every world.
 
 Trained with the ``tokenizers`` library on the demo world's training questions and gold SQL, the
-serialised schemas of its databases, and a list of SQL keywords and functions. Design choices:
+serialised schemas of its databases, and a list of SQL keywords and functions, or on another
+corpus (``reproduce.build_spider_view`` gives it Spider's training prompts + SQL). Design choices:
 
 * Byte-level BPE: any string (any script, emoji, control bytes) encodes and decodes back exactly;
   there is no unknown token.
@@ -11,8 +12,9 @@ serialised schemas of its databases, and a list of SQL keywords and functions. D
   index the original text exactly and together cover it, which GRPO needs to map clause
   character spans to tokens.
 * Special tokens (ids 0-3): ``<|pad|>`` (padding), ``<|endoftext|>`` (document separator when
-  packing), ``<|im_start|>`` and ``<|im_end|>`` (prompt markers, prompts.py; ``<|im_end|>`` is the
-  end-of-sequence token that ends the policy's SQL) — the same strings Qwen's tokenizer uses.
+  packing), ``<|im_start|>`` and ``<|im_end|>`` (prompt markers, caper_jax.sql.contract;
+  ``<|im_end|>`` is the end-of-sequence token that ends the policy's SQL) — the same strings
+  Qwen's tokenizer uses.
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from caper_jax.data.demo_schemas import tables_json_entry
-from caper_jax.data.demo_world import DEFAULT_TRAIN_SIZE, generate_examples, open_databases
+from caper_jax.demo.schemas import tables_json_entry
+from caper_jax.demo.world import DEFAULT_TRAIN_SIZE, generate_examples, open_databases
 from caper_jax.sql.contract import policy_prompt, serialize_schema
 
 PAD, EOT, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"

@@ -47,7 +47,7 @@ def _tokenizer_from(path: str):
 def prepare_world(config, workdir: str | pathlib.Path) -> DataWorld:
     kind = config.data.kind
     if kind == "demo":
-        from caper_jax.data.demo_world import build_demo_world
+        from caper_jax.demo.world import build_demo_world
         from caper_jax.data.tokenizer import build_demo_tokenizer
 
         root = pathlib.Path(config.data.dir) if config.data.dir else pathlib.Path(workdir) / "demo_world"

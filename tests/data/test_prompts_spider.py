@@ -7,7 +7,7 @@ import sqlite3
 import pytest
 
 from caper_jax.data import spider as readers  # `spider` is the fixture with the data's path
-from caper_jax.data.demo_world import build_demo_world
+from caper_jax.demo.world import build_demo_world
 from caper_jax.sql import contract
 from tests.helpers import require
 

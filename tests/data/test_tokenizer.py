@@ -4,8 +4,8 @@ import json
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from caper_jax.data.demo_schemas import tables_json_entry
-from caper_jax.data.demo_world import DEFAULT_DEV_SIZE, DEFAULT_TRAIN_SIZE, generate_examples, open_databases
+from caper_jax.demo.schemas import tables_json_entry
+from caper_jax.demo.world import DEFAULT_DEV_SIZE, DEFAULT_TRAIN_SIZE, generate_examples, open_databases
 from caper_jax.data.tokenizer import SPECIAL_TOKENS, build_demo_tokenizer
 from caper_jax.sql import contract
 

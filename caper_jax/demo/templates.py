@@ -2,7 +2,7 @@
 
 A template is a function of a ``Slots`` object (the database's schema plus a sampler of literal
 values for one split) that returns the gold SQL and the paraphrases of the question; it returns
-``None`` when the database cannot host it. Templates address columns by role (demo_schemas.py),
+``None`` when the database cannot host it. Templates address columns by role (schemas.py),
 so each one instantiates on all five databases.
 
 Literal values come from pools computed on the database itself (distinct values, round thresholds
@@ -18,7 +18,7 @@ import random
 import sqlite3
 from typing import Callable, Sequence
 
-from caper_jax.data.demo_schemas import DemoSchema, Table, Value
+from caper_jax.demo.schemas import DemoSchema, Table, Value
 
 DEV_VALUE_FRACTION = 0.25
 SPLITS = ("train", "dev")

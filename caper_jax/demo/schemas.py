@@ -2,7 +2,7 @@
 
 Every database has the same *shape* under different names — a parent table, an item table that
 references it, a person table, and an event table that references item and person — so that one
-question template (demo_templates.py) instantiates on every database by role (``item.num`` is
+question template (templates.py) instantiates on every database by role (``item.num`` is
 ``product.price`` in ``shop`` and ``doctor.salary`` in ``hospital``). Shared shape is what makes a
 train/dev split by (template, database) meaningful: a dev question is a template the policy has
 seen, on a database where it has not seen that template, with literal values it has not seen.

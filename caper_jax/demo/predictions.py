@@ -63,14 +63,12 @@ from sqlglot import exp
 from sqlglot.dialects.sqlite import SQLite
 from sqlglot.tokens import TokenType
 
-from caper_jax.data.demo_schemas import DemoSchema
+from caper_jax.demo.schemas import DemoSchema
+from caper_jax.sql.clauses import clause_of, compound_name
 from caper_jax.sql.execution import ExecResult, results_equal
 from caper_jax.sql.contract import CLAUSE_NAMES
 
 _DIALECT = SQLite()
-_ARG_CLAUSE = {"expressions": "SELECT", "distinct": "SELECT", "from_": "FROM", "joins": "FROM",
-               "where": "WHERE", "group": "GROUP BY", "having": "HAVING", "order": "ORDER BY",
-               "limit": "LIMIT", "offset": "LIMIT"}
 _COMPARISONS = (exp.EQ, exp.NEQ, exp.GT, exp.GTE, exp.LT, exp.LTE)
 _NUMERIC_OPS = (exp.GT, exp.GTE, exp.LT, exp.LTE, exp.EQ, exp.NEQ)
 _AGGREGATES = (exp.Avg, exp.Sum, exp.Min, exp.Max)
@@ -205,33 +203,7 @@ def column_table(column: exp.Column, info: SchemaInfo) -> str | None:
     return owners[0] if len(owners) == 1 else None
 
 
-# ----------------------------------------------------------------------------- clause of a node
-
-def _compound_name(node: exp.SetOperation) -> str:
-    if isinstance(node, exp.Union):
-        return "UNION" if node.args.get("distinct", True) else "UNION ALL"
-    return "INTERSECT" if isinstance(node, exp.Intersect) else "EXCEPT"
-
-
-def clause_of(node: exp.Expression) -> str:
-    """The top-level clause unit (caper_jax.sql.clauses naming) that contains ``node``."""
-    chain = []
-    while node.parent is not None:
-        chain.append((node.parent, node.arg_key))
-        node = node.parent
-    for parent, key in reversed(chain):
-        if isinstance(parent, exp.SetOperation):
-            if key == "expression":
-                return _compound_name(parent)
-            if key in ("order", "limit"):
-                return _ARG_CLAUSE[key]
-            continue
-        if isinstance(parent, exp.Select):
-            if key not in _ARG_CLAUSE:
-                raise ValueError(f"node under unsupported SELECT argument {key!r}")
-            return _ARG_CLAUSE[key]
-    raise ValueError("node is the root of the query, not inside a clause")
-
+# ----------------------------------------------------------------------------- written order of clauses
 
 def clause_rank(tree: exp.Expression, clause: str) -> int:
     """Written position of a clause unit: first SELECT's clauses, then compound operators in order."""
@@ -240,7 +212,7 @@ def clause_rank(tree: exp.Expression, clause: str) -> int:
     operators = []
     node = tree
     while isinstance(node, exp.SetOperation):
-        operators.append(_compound_name(node))
+        operators.append(compound_name(node))
         node = node.this
     return len(CLAUSE_NAMES) + operators[::-1].index(clause)
 

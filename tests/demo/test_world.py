@@ -14,8 +14,8 @@ from sqlglot import exp
 from sqlglot.dialects.sqlite import SQLite
 from sqlglot.tokens import TokenType
 
-from caper_jax.data.demo_templates import TEMPLATES
-from caper_jax.data.demo_world import build_demo_world
+from caper_jax.demo.templates import TEMPLATES
+from caper_jax.demo.world import build_demo_world
 
 MISTAKE_KINDS = {"wrong_column", "wrong_join_key", "wrong_table", "wrong_operator", "wrong_connective",
                  "wrong_literal", "missing_condition", "extra_condition", "wrong_aggregate", "wrong_group_by",

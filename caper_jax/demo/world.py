@@ -27,9 +27,9 @@ import random
 import re
 import sqlite3
 
-from caper_jax.data import demo_predictions as preds
-from caper_jax.data.demo_schemas import DemoSchema, create_table_sql, demo_schemas, generate_rows, tables_json_entry
-from caper_jax.data.demo_templates import SPLITS, TEMPLATES, NoValue, Slots, Template, ValuePools
+from caper_jax.demo import predictions as preds
+from caper_jax.demo.schemas import DemoSchema, create_table_sql, demo_schemas, generate_rows, tables_json_entry
+from caper_jax.demo.templates import SPLITS, TEMPLATES, NoValue, Slots, Template, ValuePools
 
 DEFAULT_TRAIN_SIZE = 1500
 DEFAULT_DEV_SIZE = 300
