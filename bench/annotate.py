@@ -18,7 +18,7 @@ and schema loading; per CPU-s = tuples per second of CPU summed over workers (wh
 shared machine disturb least); x floor = CPU per gold query (or per tuple) over the floor's CPU per
 gold query; sqlite = share of worker wall time spent inside SQLite. Best of ``--repeats`` runs.
 
-Real failures (``caper_jax.data.published_predictions.failures``: every Spider-dev example with a
+Real failures (``caper_jax.data.spider.published_failures``: every Spider-dev example with a
 database where one of the six systems' predictions does not execute to gold's result, about 1,100):
 ``localize`` on each, workers as above (processes, cold executors, failures split round-robin).
 failures/s = failures / wall time of the slowest worker; extra exec/failure = queries executed
@@ -45,7 +45,7 @@ from bench._common import start_load_check  # noqa: E402
 
 import sqlglot  # noqa: E402
 
-from caper_jax.data.published_predictions import failures as real_failures  # noqa: E402
+from caper_jax.data.spider import published_failures  # noqa: E402
 from caper_jax.sql.clauses import parse_sql  # noqa: E402
 from caper_jax.sql.execution import Executors  # noqa: E402
 from caper_jax.sql.mutations import inject_faults  # noqa: E402
@@ -253,7 +253,7 @@ def main() -> None:
             print(f"  {label:<40} {ms:8.3f}")
     real = {}
     if args.real and args.predictions.is_dir():
-        records = real_failures(args.data, args.predictions)
+        records = published_failures(args.data, args.predictions)
         print(f"\nreal failures of {len(set(r['system'] for r in records))} published systems: {len(records)} "
               f"(load average {os.getloadavg()[0]:.2f})")
         print(f"{'workers':>7} {'mode':>10} {'failures/s':>11} {'CPU ms/failure':>15} {'extra exec/failure':>19}")

@@ -25,6 +25,13 @@ in the layout's others, so one root holding BIRD's dev and train folders serves 
 A database that is missing on disk is not an error at load time (Spider's public dev copy, for
 one, lacks wta_1), but it is reported (a logged warning, ``missing_databases``) and can be dropped
 with ``drop_missing=True``; ``db_path`` raises ``MissingDatabaseError`` for it.
+
+Predictions of published systems (``read_sql_predictions``) are read here too, and
+``published_failures`` lists the Spider-dev failures of the six systems kept in
+``../shared/data/spider_predictions/`` (provenance, licences and formats in its PROVENANCE.md): four
+``.sql`` files of 1034 lines in dev.json order and two DIN-SQL CSVs with a ``PREDICTED SQL`` column.
+A *failure* is an example with a database whose prediction does not execute to gold's result the
+Spider way (``results_equal``: bags, ordered iff gold has ORDER BY, any column order).
 """
 from __future__ import annotations
 
@@ -36,6 +43,8 @@ import logging
 import os
 import pathlib
 from typing import Any, Iterable, Mapping, Sequence
+
+from caper_jax.sql.execution import Executors, order_matters, results_equal
 
 log = logging.getLogger(__name__)
 
@@ -234,3 +243,34 @@ def missing_databases(data_dir: str | os.PathLike, examples: Iterable[Example],
         except MissingDatabaseError:
             missing[db_id] = n
     return missing
+
+
+PUBLISHED_SYSTEMS = ("dail_sql_gpt4.sql", "dail_sql_gpt4_sc.sql", "graphix_t5.sql", "c3sql_chatgpt.sql",
+                     "din_sql_gpt4.csv", "din_sql_codex.csv")
+
+
+def published_failures(spider_dir: str | os.PathLike, predictions_dir: str | os.PathLike,
+                       systems: Sequence[str] = PUBLISHED_SYSTEMS) -> list[dict]:
+    """Every Spider-dev failure of the given systems: ``{system, index, db_id, question, gold, pred}``.
+
+    Examples whose database is missing (``wta_1`` here) are skipped.
+    """
+    spider_dir, predictions_dir = pathlib.Path(spider_dir), pathlib.Path(predictions_dir)
+    examples = _read_json(spider_dir / "dev.json")
+    out = []
+    with Executors(spider_dir / "database") as executors:
+        for system in systems:
+            predictions = read_sql_predictions(predictions_dir / system)
+            if len(predictions) != len(examples):
+                raise ValueError(f"{system}: {len(predictions)} predictions for {len(examples)} examples")
+            for index, (example, pred) in enumerate(zip(examples, predictions)):
+                db_id = example["db_id"]
+                if not executors.db_path(db_id).is_file():
+                    continue
+                gold = executors.execute(db_id, example["query"])
+                result = executors.execute(db_id, pred)
+                if result.ok and results_equal(gold, result, ordered=order_matters(example["query"])):
+                    continue
+                out.append({"system": system, "index": index, "db_id": db_id,
+                            "question": example["question"], "gold": example["query"], "pred": pred})
+    return out
