@@ -1,390 +1,97 @@
-"""``python -m caper_jax.verify``: a trained Clause-PRM as a plug-and-play verifier for any system.
+"""``python -m caper_jax.verify [rerank|localize]``: a trained Clause-PRM as a plug-and-play verifier
+for any system (absl flags, as caper_jax.train; the work is caper_jax/eval/verify.py's).
 
-    python -m caper_jax.verify --prm CKPT --data DIR --candidates FILE.jsonl [--split dev]
+    python -m caper_jax.verify [rerank] --prm CKPT --data DIR --candidates FILE.jsonl [--split dev]
         [--aggregate min|mean|last] [--semantics spider|spider_official|bird] [--output OUT.jsonl] [--batch_size 16]
     python -m caper_jax.verify localize --prm CKPT --data DIR --predictions P.jsonl [--split dev]
         [--output_dir DIR]
 
-**Rerank** (default command). Candidate lines are those of ``evaluate ex``: ``index`` (position in
-``<data>/<split>.json``) and ``candidates`` (a list of SQL strings; a ``pred`` line is one
-candidate). Every candidate of every line is scored by the PRM (``caper_jax.prm.scoring``: one
-forward per query, clause scores aggregated by ``--aggregate``; SQL that does not parse scores
--inf, so it is chosen only when every candidate is unparseable) and executed. The last stdout line
-is the JSON summary over the scored lines::
+**Rerank** (the command when none is named): every candidate of every line scored by the PRM and
+executed; the last stdout line is the JSON summary (first, vote, prm by aggregate, any).
+**Localize**: root-cause localisation of failed predictions, PRM against the baselines, written to
+``--output_dir`` as localization.json, localization.md and plots; the last stdout line is the summary.
 
-    {"n", "first", "vote", "prm", "aggregate", "prm_by_aggregate": {min, mean, last, vote_min, vote_mean,
-     vote_last}, "any", "excluded", "malformed"}
-
-``first`` is EX of the first candidate, ``vote`` of the majority vote by execution result
-(``caper_jax.evaluate_ex.majority_vote``), ``prm`` of the PRM's choice, ``any`` the oracle (some
-candidate right); ``prm_by_aggregate`` holds best-of-k by each aggregate and the PRM-weighted vote
-``vote_<aggregate>`` (``caper_jax.prm.scoring.weighted_vote``: the result class whose members'
-sigmoid scores sum highest). ``--output`` gets one line per well-formed input line: the input fields, ``sql`` (the PRM's
-choice), ``chosen``, ``correct``, ``clauses`` ([name, score] of the chosen SQL), ``score`` (its
-aggregate) and ``candidate_scores`` (every candidate's aggregate). Lines whose database is missing
-or whose gold fails are reported on stderr and excluded from ``n``; malformed lines (not UTF-8, not
-JSON, a lone surrogate, a bad or repeated ``index``) are reported with their line number and skipped
-— as in ``evaluate ex``. An ``--output`` (``--output_dir``) that is or resolves to an input or a
-database is refused before the PRM is loaded; outputs are renamed into place only when complete;
-Ctrl-C exits 130 with no summary.
-
-**Localize**: root-cause localisation of a file of FAILED predictions (lines: ``gold``, ``pred``,
-``question``, ``db_id`` — or ``index`` into the split for the missing ones — and optionally the true
-root as ``root_clause`` or ``true_root_clause``; without one, the annotator's counterfactual
-localisation ``caper_jax.sql.localize`` labels the line, and a prediction it finds correct is
-skipped). Clauses ranked lowest-score-first give top-1 and MRR per true clause for the PRM and the
-baselines of ``caper_jax.prm.localization``; written to ``--output_dir`` as ``localization.json``,
-``localization.md`` (tables, confusion of true vs blamed clause) and PNG plots.
+Both check the data and the outputs before the PRM is loaded; a bad input or output is one line and
+exit status 2, as is a flag that is unknown, mistyped or not read by the command; Ctrl-C exits 130
+with no summary and outputs as they were.
 """
 from __future__ import annotations
 
-import argparse
-import collections
 import json
-import os
-import pathlib
-import shutil
 import sys
-import tempfile
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
 
-import numpy as np
+from absl import app, flags
 
-from caper_jax.sql.contract import serialize_schema
-from caper_jax.data.spider import DataError, MissingDatabaseError, db_path, load_schemas, load_split
-from caper_jax.sql.semantics import SEMANTICS, check_semantics
-from caper_jax.evaluate_ex import (DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, PredictionError, grade_predictions,
-                                   majority_vote)
+from caper_jax.data.spider import DataError, load_split
+from caper_jax.eval import verify as verify_lib
+from caper_jax.eval.ex import DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S
 from caper_jax.prm.aggregates import AGGREGATES
-from caper_jax.sql.execution import Executor
-from caper_jax.utils import atomic, jsonl
+from caper_jax.sql.semantics import SEMANTICS
+from caper_jax.utils import atomic, cli
 
-Report = Callable[[str], None]
+FLAGS = flags.FLAGS
 
-
-class Scorer(Protocol):
-    def score_queries(self, rows: Sequence[Mapping[str, str]]) -> list[np.ndarray]: ...
-
-
-class _Databases:
-    """Executors and serialised schemas per db_id; a missing database is None, reported once."""
-
-    def __init__(self, data_dir, *, timeout_s: float, max_rows: int, report: Report, where: str):
-        self.data_dir, self.timeout_s, self.max_rows = data_dir, timeout_s, max_rows
-        self.report, self.where = report, where
-        self.tables = load_schemas(data_dir)
-        self._executors: dict[str, Executor | None] = {}
-        self._schemas: dict[str, str] = {}
-
-    def executor(self, db_id: str) -> Executor | None:
-        if db_id not in self._executors:
-            try:
-                self._executors[db_id] = Executor(db_path(self.data_dir, db_id), timeout_s=self.timeout_s,
-                                                  max_rows=self.max_rows)
-            except MissingDatabaseError:
-                self._executors[db_id] = None
-                self.report(f"{self.where}: database {db_id!r} is missing; its lines are excluded")
-        return self._executors[db_id]
-
-    def schema(self, db_id: str) -> str:
-        if db_id not in self._schemas:
-            if db_id not in self.tables:
-                raise DataError(f"database {db_id!r} is not in the schema file of {self.data_dir}")
-            self._schemas[db_id] = serialize_schema(self.tables[db_id])
-        return self._schemas[db_id]
-
-    def close(self) -> None:
-        for executor in self._executors.values():
-            if executor is not None:
-                executor.close()
+COMMANDS = ("rerank", "localize")
+COMMON_FLAGS = ("prm", "data", "split", "batch_size", "max_len", "timeout_s")
+COMMAND_FLAGS = {"rerank": COMMON_FLAGS + ("candidates", "aggregate", "semantics", "output", "max_rows"),
+                 "localize": COMMON_FLAGS + ("predictions", "output_dir")}
+REQUIRED = {"rerank": ("prm", "data", "candidates"), "localize": ("prm", "data", "predictions")}
 
 
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr)
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    """The command's flags; defined only when it runs, so importing this module defines none."""
+    flags.DEFINE_string("prm", None, "PRM trainer workdir, its checkpoints/, or an HF export dir.",
+                        flag_values=flag_values)
+    flags.DEFINE_string("data", None, "Dataset folder (Spider or BIRD layout).", flag_values=flag_values)
+    flags.DEFINE_string("split", "dev", "Split name: <data>/<split>.json.", flag_values=flag_values)
+    flags.DEFINE_integer("batch_size", 16, "Queries per PRM forward.", flag_values=flag_values)
+    flags.DEFINE_integer("max_len", None, "PRM context (default: the training config's).", flag_values=flag_values)
+    flags.DEFINE_float("timeout_s", DEFAULT_TIMEOUT_S, "Seconds per query.", flag_values=flag_values)
+    flags.DEFINE_string("candidates", None, "rerank: JSON lines: index + candidates (or pred).",
+                        flag_values=flag_values)
+    flags.DEFINE_enum("aggregate", "min", AGGREGATES, "rerank: clause scores -> one query score.",
+                      flag_values=flag_values)
+    flags.DEFINE_enum("semantics", "spider", SEMANTICS, "rerank: result comparison.", flag_values=flag_values)
+    flags.DEFINE_string("output", None, "rerank: per-line choice with clause scores (JSON lines).",
+                        flag_values=flag_values)
+    flags.DEFINE_integer("max_rows", DEFAULT_MAX_ROWS, "rerank: rows per result.", flag_values=flag_values)
+    flags.DEFINE_string("predictions", None, "localize: JSON lines of failed predictions.", flag_values=flag_values)
+    flags.DEFINE_string("output_dir", "localization_report", "localize: where the report goes.",
+                        flag_values=flag_values)
 
 
-# -- rerank
-
-
-def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: str | os.PathLike, *,
-           aggregate: str = "min", semantics: str = "spider", output: str | os.PathLike | None = None,
-           timeout_s: float = DEFAULT_TIMEOUT_S, max_rows: int = DEFAULT_MAX_ROWS,
-           report: Report | None = None) -> dict:
-    """Reranks every candidates line with the PRM; returns the summary (module docstring)."""
+def main(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> int:
+    """``argv``: what absl left after the flags, the program and the command (rerank when none)."""
+    command = list(argv[1:]) or ["rerank"]
+    if len(command) != 1 or command[0] not in COMMANDS:
+        raise app.UsageError(f"usage: python -m caper_jax.verify [{'|'.join(COMMANDS)}] [flags]",
+                             exitcode=cli.USAGE_STATUS)
+    command = command[0]
+    cli.check_command(flag_values, f"verify {command}", defined=COMMAND_FLAGS["rerank"] + COMMAND_FLAGS["localize"],
+                      reads=COMMAND_FLAGS[command], required=REQUIRED[command])
+    from caper_jax.utils.errors import CheckpointError
     from caper_jax.prm import scoring
 
-    if aggregate not in AGGREGATES:
-        raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
-    check_semantics(semantics)
-    report = report or _stderr
-    if output is not None:   # before any work: never the candidates, the data or a database
-        atomic.check_output(output, inputs=data_inputs(data_dir, candidates))
-    examples = load_split(data_dir, split)
-    databases = _Databases(data_dir, timeout_s=timeout_s, max_rows=max_rows, report=report, where=str(candidates))
-    excluded: collections.Counter[str] = collections.Counter()
-    malformed: list[int] = []
-
-    def skip(line_number: int, error: PredictionError) -> None:
-        malformed.append(line_number)
-        report(f"{candidates}:{line_number}: skipped: {error}")
-
-    lines: list[dict[str, Any]] = []  # in file order; excluded lines have "excluded" instead of "right"
+    f = flag_values
     try:
-        for line in grade_predictions(candidates, examples, databases.executor, semantics=semantics,
-                                      on_malformed=skip):
-            prediction, example = line.prediction, line.example
-            if line.excluded is not None:
-                excluded[line.excluded] += 1
-                if line.excluded != "missing_db":   # a missing database is reported by _Databases, once
-                    report(f"{candidates}:{line.line_number}: example {prediction.index} excluded: {line.excluded}")
-                lines.append({"prediction": prediction, "excluded": line.excluded})
-                continue
-            schema = databases.schema(example.db_id)
-            lines.append({"prediction": prediction, "right": line.right, "vote": majority_vote(line.results, semantics),
-                          "classes": scoring.result_classes(line.results, semantics),
-                          "rows": [{"question": example.question, "schema": schema, "sql": sql}
-                                   for sql in prediction.candidates]})
-    finally:
-        databases.close()
-
-    scored = [line for line in lines if "right" in line]
-    flat = scorer.score_queries([row for line in scored for row in line["rows"]])
-    position = 0
-    counts = collections.Counter()
-    for line in scored:
-        k = len(line["rows"])
-        line["scores"], position = flat[position:position + k], position + k
-        right = line["right"]
-        counts["first"] += right[0]
-        counts["vote"] += right[line["vote"]]
-        counts["any"] += any(right)
-        for how in AGGREGATES:
-            counts[how] += right[scoring.best_index(line["scores"], how)]
-            counts[scoring.VOTE_PREFIX + how] += right[scoring.weighted_vote(line["scores"], line["classes"], how)]
-    n = len(scored)
-    if output is not None:   # a temporary file renamed into place: never half written
-        with atomic.atomic_output(output) as sink:
-            for line in lines:
-                sink.write(json.dumps(_output_row(line, aggregate), ensure_ascii=False) + "\n")
-    rate = lambda key: counts[key] / n if n else 0.0  # noqa: E731
-    return {"n": n, "first": rate("first"), "vote": rate("vote"), "prm": rate(aggregate), "aggregate": aggregate,
-            "prm_by_aggregate": {how: rate(how) for how in scoring.SELECTORS}, "any": rate("any"),
-            "excluded": dict(excluded), "malformed": len(malformed)}
-
-
-def data_inputs(data_dir: str | os.PathLike, *files: str | os.PathLike) -> list:
-    """The input files an output must never be: ``files`` and the dataset's JSON files."""
-    return [*files, *pathlib.Path(data_dir).glob("*.json")]
-
-
-def _output_row(line: dict, how: str) -> dict:
-    from caper_jax.prm import scoring
-
-    prediction = line["prediction"]
-    if "right" not in line:
-        return {**prediction.record, "correct": None, "excluded": line["excluded"]}
-    chosen = scoring.best_index(line["scores"], how)
-    sql = prediction.candidates[chosen]
-    scores = line["scores"][chosen]
-    return {**prediction.record, "sql": sql, "chosen": chosen, "correct": line["right"][chosen],
-            "clauses": [[name, _json_float(s)] for name, s in zip(scoring.clause_names(sql), scores)],
-            "score": _json_float(scoring.aggregate(scores, how)),
-            "candidate_scores": [_json_float(scoring.aggregate(s, how)) for s in line["scores"]]}
-
-
-def _json_float(x: float) -> float | str | None:
-    """JSON has no NaN/inf: NaN (a truncated clause) -> null, ±inf (unparseable) -> "-inf"/"inf"."""
-    x = float(x)
-    if np.isnan(x):
-        return None
-    if np.isinf(x):
-        return "-inf" if x < 0 else "inf"
-    return x
-
-
-# -- localize
-
-
-def read_failures(data_dir: str | os.PathLike, split: str, predictions: str | os.PathLike, *,
-                  timeout_s: float = DEFAULT_TIMEOUT_S, report: Report | None = None) -> tuple[list[dict], dict]:
-    """Failed predictions with their root clause, as rows for scoring; and counts of skipped lines."""
-    from caper_jax.sql.clauses import SqlParseError, split_clauses
-    from caper_jax.sql.localize import GoldError, localize
-    from caper_jax.sql.schema import Schema
-    from caper_jax.prm.evaluation import with_baseline_inputs
-
-    report = report or _stderr
-    examples: list = []
-
-    def split_examples() -> list:
-        if not examples:
-            examples.extend(load_split(data_dir, split))
-        return examples
-
-    databases = _Databases(data_dir, timeout_s=timeout_s, max_rows=DEFAULT_MAX_ROWS, report=report,
-                           where=str(predictions))
-    schemas: dict[str, Schema] = {}
-    rows, skipped = [], collections.Counter()
-    try:
-        with jsonl.open_text_lines(predictions) as f:   # decoded line by line: a bad byte spoils one line
-            for line_number, text in enumerate(f, start=1):
-                if not text.strip():
-                    continue
-                try:   # not UTF-8, not JSON, a lone surrogate, missing fields: that line only
-                    record = _failure_record(jsonl.parse_json_line(text), split_examples)
-                except (jsonl.LineError, PredictionError) as error:
-                    skipped["malformed"] += 1
-                    report(f"{predictions}:{line_number}: skipped: {error}")
-                    continue
-                if record["db_id"] not in databases.tables:
-                    skipped["unknown_db"] += 1
-                    report(f"{predictions}:{line_number}: skipped: database {record['db_id']!r} not in the schemas")
-                    continue
-                # A failure that may answer the question (a tie, a type-only difference, a literal's
-                # case: docs/annotation.md 2a) has no root to find; the demo world marks its own.
-                if record.get("kind") == "suspect" or record.get("suspect"):
-                    skipped["suspect"] += 1
-                    continue
-                root, source = record.get("root_clause") or record.get("true_root_clause"), "given"
-                if root is None:
-                    executor = databases.executor(record["db_id"])
-                    if executor is None:
-                        skipped["missing_db"] += 1
-                        continue
-                    if record["db_id"] not in schemas:
-                        schemas[record["db_id"]] = Schema.from_sqlite(db_path(data_dir, record["db_id"]),
-                                                                      record["db_id"])
-                    try:
-                        found = localize(record["gold"], record["pred"], executor, schemas[record["db_id"]])
-                    except GoldError as error:
-                        skipped["gold_error"] += 1
-                        report(f"{predictions}:{line_number}: skipped: {error}")
-                        continue
-                    if found.correct:
-                        skipped["correct"] += 1
-                        continue
-                    if found.suspect:
-                        skipped["suspect"] += 1
-                        report(f"{predictions}:{line_number}: skipped: suspect failure ({found.suspect})")
-                        continue
-                    root, source = found.root_clause, "annotator"
-                try:
-                    pred_units = [(u.name, u.text) for u in split_clauses(record["pred"])]
-                    gold_units = [(u.name, u.text) for u in split_clauses(record["gold"])]
-                except SqlParseError:
-                    skipped["unparseable"] += 1  # no clauses to rank
-                    continue
-                row = {"question": record["question"], "schema": databases.schema(record["db_id"]),
-                       "sql": record["pred"], "root": root, "root_source": source,
-                       "pred_units": pred_units, "gold_units": gold_units}
-                # Lines carrying "samples" / "clause_logprob" also get the gold-free baselines.
-                rows.append(with_baseline_inputs(row, record, schemas.get(record["db_id"])))
-    finally:
-        databases.close()
-    return rows, dict(skipped)
-
-
-def _failure_record(record: Any, split_examples: Callable[[], list]) -> dict:
-    if not isinstance(record, dict):
-        raise PredictionError("not a JSON object")
-    record = dict(record)
-    if not all(isinstance(record.get(k), str) for k in ("gold", "question", "db_id")):
-        index = record.get("index")
-        if not isinstance(index, int) or isinstance(index, bool):
-            raise PredictionError("needs 'gold', 'question' and 'db_id', or an integer 'index' into the split")
-        examples = split_examples()
-        if not 0 <= index < len(examples):
-            raise PredictionError(f"'index' must be in [0, {len(examples)}), got {index}")
-        example = examples[index]
-        record.setdefault("gold", example.query)
-        record.setdefault("question", example.question)
-        record.setdefault("db_id", example.db_id)
-    if not isinstance(record.get("pred"), str):
-        raise PredictionError("'pred' must be a string")
-    return record
-
-
-def localization_report(scorer: Scorer, rows: list[dict], out_dir: str | os.PathLike, skipped: dict) -> dict:
-    """Scores the failures, summarises PRM vs baselines, writes json, markdown and plots."""
-    from caper_jax.eval import report as report_lib
-    from caper_jax.prm import evaluation
-
-    localization = evaluation.localization_summaries(rows, scorer.score_queries(rows)) if rows else {}
-    results = {"n": len(rows), "skipped": skipped,
-               "root_source": dict(collections.Counter(r["root_source"] for r in rows)),
-               "localization": localization}
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # Every file is written into a temporary directory beside them, then renamed into place, the
-    # JSON last: an interrupted run leaves the previous report (or none), never a truncated file.
-    staging = pathlib.Path(tempfile.mkdtemp(dir=out, prefix=".localization-partial-"))
-    try:
-        report_lib.write_localization_report(results, staging)
-        (staging / "localization.json").write_text(json.dumps(results, indent=1) + "\n")
-        for path in sorted(staging.iterdir(), key=lambda p: p.name == "localization.json"):
-            os.replace(path, out / path.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return results
-
-
-# -- CLI
-
-
-def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prm", required=True, help="PRM trainer workdir, its checkpoints/, or an HF export dir")
-    parser.add_argument("--data", required=True, help="dataset folder (Spider or BIRD layout)")
-    parser.add_argument("--split", default="dev", help="split name: <data>/<split>.json")
-    parser.add_argument("--batch_size", type=int, default=16, help="queries per PRM forward")
-    parser.add_argument("--max_len", type=int, default=None, help="PRM context (default: the training config's)")
-    parser.add_argument("--timeout_s", type=float, default=DEFAULT_TIMEOUT_S)
-
-
-def build_parser(command: str) -> argparse.ArgumentParser:
-    if command == "localize":
-        parser = argparse.ArgumentParser(prog="python -m caper_jax.verify localize", description=__doc__,
-                                         formatter_class=argparse.RawDescriptionHelpFormatter)
-        _add_common(parser)
-        parser.add_argument("--predictions", required=True, help="JSON lines of failed predictions")
-        parser.add_argument("--output_dir", default="localization_report")
-        return parser
-    parser = argparse.ArgumentParser(prog="python -m caper_jax.verify", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_common(parser)
-    parser.add_argument("--candidates", required=True, help="JSON lines: index + candidates (or pred)")
-    parser.add_argument("--aggregate", choices=AGGREGATES, default="min")
-    parser.add_argument("--semantics", choices=SEMANTICS, default="spider")
-    parser.add_argument("--output", default=None, help="per-line choice with clause scores (JSON lines)")
-    parser.add_argument("--max_rows", type=int, default=DEFAULT_MAX_ROWS)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command = "localize" if argv[:1] == ["localize"] else "rerank"
-    args = build_parser(command).parse_args(argv[1:] if command == "localize" else argv)
-    from caper_jax.eval.restore import WorkdirError
-    from caper_jax.prm.scoring import ScoringError, load_scorer
-
-    try:
-        load_split(args.data, args.split)  # bad data and bad outputs fail before the model is loaded
+        load_split(f.data, f.split)  # bad data and bad outputs fail before the model is loaded
         if command == "localize":
-            atomic.check_output_dir(args.output_dir, inputs=data_inputs(args.data, args.predictions, args.prm))
-        elif args.output is not None:
-            atomic.check_output(args.output, inputs=data_inputs(args.data, args.candidates))
-        scorer = load_scorer(args.prm, batch_size=args.batch_size, max_len=args.max_len)
+            atomic.check_output_dir(f.output_dir, inputs=verify_lib.data_inputs(f.data, f.predictions, f.prm))
+        elif f.output is not None:
+            atomic.check_output(f.output, inputs=verify_lib.data_inputs(f.data, f.candidates))
+        scorer = scoring.load_scorer(f.prm, batch_size=f.batch_size, max_len=f.max_len)
         if command == "localize":
-            rows, skipped = read_failures(args.data, args.split, args.predictions, timeout_s=args.timeout_s)
-            results = localization_report(scorer, rows, args.output_dir, skipped)
-            summary = {"n": results["n"], "skipped": skipped, "output_dir": str(args.output_dir),
+            rows, skipped = verify_lib.read_failures(f.data, f.split, f.predictions, timeout_s=f.timeout_s)
+            results = verify_lib.localization_report(scorer, rows, f.output_dir, skipped)
+            summary = {"n": results["n"], "skipped": skipped, "output_dir": str(f.output_dir),
                        **{f"{m}_top1": s["top1"] for m, s in results["localization"].items()},
                        **{f"{m}_mrr": s["mrr"] for m, s in results["localization"].items()}}
         else:
-            summary = rerank(scorer, args.data, args.split, args.candidates, aggregate=args.aggregate,
-                             semantics=args.semantics, output=args.output, timeout_s=args.timeout_s,
-                             max_rows=args.max_rows)
-    except (DataError, FileNotFoundError, WorkdirError, ScoringError, ValueError) as error:
+            summary = verify_lib.rerank(scorer, f.data, f.split, f.candidates, aggregate=f.aggregate,
+                                        semantics=f.semantics, output=f.output, timeout_s=f.timeout_s,
+                                        max_rows=f.max_rows)
+    except (DataError, FileNotFoundError, CheckpointError, scoring.ScoringError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as error:  # Ctrl-C, inside a SQLite query too: no summary, outputs as they were
@@ -396,4 +103,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    define_flags()
+    app.run(main, flags_parser=cli.parse_flags)

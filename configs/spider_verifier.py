@@ -15,7 +15,7 @@ From nothing (``caper_jax/reproduce.py``, ``run_verifier``; every stage resumes)
               systems, execution-only, random; first-diff-from-gold as a reference that sees gold)
     pick      the reranker (best-of-k per aggregate or PRM-weighted vote) with the best EX on the
               policy's samples of training questions — never chosen on dev
-    verify    EX on dev of each system alone, MV@6, every PRM reranker, oracle@6 (caper_jax.verify)
+    verify    EX on dev of each system alone, MV@6, every PRM reranker, oracle@6 (caper_jax.eval.verify)
 
     bash launch/spider_verifier.sh runs/spider_verifier
     python -m caper_jax.train --config=configs/spider_verifier.py --workdir=runs/spider_verifier

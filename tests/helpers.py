@@ -216,6 +216,7 @@ def _write_prm_run(workdir: pathlib.Path) -> None:
     from flax import nnx
 
     from caper_jax import checkpoint as ckpt_lib
+    from caper_jax import runs
     from caper_jax.demo.world import build_demo_world
     from caper_jax.data.tokenizer import build_demo_tokenizer
     from caper_jax.models.presets import model_preset
@@ -231,7 +232,8 @@ def _write_prm_run(workdir: pathlib.Path) -> None:
     model = ClausePRM(model_preset("tiny", vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
     state = init_state(nnx.state(model), make_optimizer(config.optim))
     with ckpt_lib.Checkpointer(workdir / "checkpoints") as checkpointer:
-        checkpointer.save(7, state, config=config.to_dict(), force=True)
+        checkpointer.save(7, state, config=config.to_dict(), run=runs.record(model.config, world / "tokenizer"),
+                          force=True)
     export_prm_to_hf(model, workdir / "hf_export", tokenizer)
 
 
@@ -241,6 +243,7 @@ def build_policy_run(root: pathlib.Path, world: pathlib.Path) -> pathlib.Path:
     from transformers import AutoTokenizer
 
     from caper_jax import checkpoint as ckpt_lib
+    from caper_jax import runs
     from caper_jax.models import Qwen35ForCausalLM
     from caper_jax.models.presets import model_preset
     from caper_jax.utils.optim import init_state, make_optimizer
@@ -253,5 +256,33 @@ def build_policy_run(root: pathlib.Path, world: pathlib.Path) -> pathlib.Path:
     model = Qwen35ForCausalLM(model_preset("tiny", vocab_size=len(tokenizer)), rngs=nnx.Rngs(1))
     state = init_state(nnx.state(model), make_optimizer(config.optim))
     with ckpt_lib.Checkpointer(workdir / "checkpoints") as checkpointer:
-        checkpointer.save(3, state, config=config.to_dict(), force=True)
+        checkpointer.save(3, state, config=config.to_dict(), run=runs.record(model.config, world / "tokenizer"),
+                          force=True)
     return workdir
+
+
+def run_command(module, *args) -> int:
+    """``python -m <module> args`` in this process, as its ``__main__`` runs under absl.app.run: flags
+    defined on a FlagValues of their own (runs in one process share none), parsed, then ``main``.
+    Returns the exit status the command line would have, a bad flag's or usage error's included
+    (the error on stderr, as absl.app.run prints it)."""
+    import inspect
+
+    from absl import app, flags
+
+    from caper_jax.utils import cli
+
+    argv = [module.__name__, *map(str, args)]
+    flag_values = flags.FlagValues()
+    if "argv" in inspect.signature(module.define_flags).parameters:   # config_flags' overrides come from argv
+        module.define_flags(flag_values, argv)
+    else:
+        module.define_flags(flag_values)
+    parse = getattr(module, "parse_flags", cli.parse_flags)
+    try:
+        return module.main(parse(argv, flag_values), flag_values)
+    except SystemExit as exit:
+        return exit.code
+    except app.UsageError as error:
+        print(error, file=sys.stderr)
+        return error.exitcode

@@ -14,9 +14,9 @@ import pytest
 
 from caper_jax import evaluate
 from caper_jax.data.spider import Example, load_split, read_sql_predictions
-from caper_jax.evaluate_ex import evaluate_ex
+from caper_jax.eval.ex import evaluate_ex
 from caper_jax.sql.semantics import SEMANTICS, check_semantics, comparison, executed_sql, remove_distinct
-from tests.helpers import require, spider_dir
+from tests.helpers import require, run_command, spider_dir
 
 SYSTEMS = ("c3sql_chatgpt.sql", "dail_sql_gpt4.sql", "dail_sql_gpt4_sc.sql", "din_sql_codex.csv",
            "din_sql_gpt4.csv", "graphix_t5.sql")
@@ -162,8 +162,8 @@ def test_published_systems_ex_equals_the_official_evaluator_in_both_modes(spider
         verdicts = {}
         for semantics in ("spider", "spider_official"):
             out = tmp_path / f"{name}.{semantics}.jsonl"
-            code = evaluate.main(["ex", "--data", str(spider), "--predictions", str(path),
-                                  "--semantics", semantics, "--output", str(out)])
+            code = run_command(evaluate, "ex", "--data", str(spider), "--predictions", str(path),
+                                         "--semantics", semantics, "--output", str(out))
             captured = capsys.readouterr()
             summary = json.loads(captured.out.strip().splitlines()[-1])
             assert code == 0 and summary["n"] == 972 and summary["excluded"] == {"missing_db": 62}

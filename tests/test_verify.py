@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from caper_jax import verify
-from caper_jax.evaluate_ex import evaluate_ex
+from caper_jax.eval import verify as verify_lib
+from caper_jax.eval.ex import evaluate_ex
 from caper_jax.prm import scoring
 from caper_jax.sql.clauses import split_clauses
 from caper_jax.sql.execution import Executor, order_matters, results_equal
-from tests.helpers import build_prm_run, session_root
+from tests.helpers import build_prm_run, run_command, session_root
 
 GARBAGE = "SELEC name FRM ((("
 GARBAGE_2 = "this is not SQL"
@@ -182,7 +183,7 @@ def test_rerank_ex_by_hand_and_against_evaluate_ex(spider, spider_lines, tmp_pat
     path = write_lines(tmp_path / "c.jsonl", records)
     messages = []
     out = tmp_path / "out.jsonl"
-    summary = verify.rerank(RuleScorer(golds), spider, "dev", path, aggregate="min", output=out,
+    summary = verify_lib.rerank(RuleScorer(golds), spider, "dev", path, aggregate="min", output=out,
                             report=messages.append)
     assert expected["n"] == 16
     assert {k: summary[k] for k in expected} == pytest.approx(expected)
@@ -210,7 +211,7 @@ def test_random_prm_keeps_a_consistent_ex_accounting(spider, spider_lines, score
     records, golds, expected = spider_lines
     path = write_lines(tmp_path / "c.jsonl", records)
     out = tmp_path / "out.jsonl"
-    summary = verify.rerank(scorer, spider, "dev", path, aggregate="mean", output=out, report=lambda m: None)
+    summary = verify_lib.rerank(scorer, spider, "dev", path, aggregate="mean", output=out, report=lambda m: None)
     assert {k: summary[k] for k in ("n", "first", "vote", "any")} == pytest.approx(
         {k: expected[k] for k in ("n", "first", "vote", "any")})
     rows = [json.loads(line) for line in out.read_text().splitlines() if "excluded" not in line]
@@ -252,9 +253,9 @@ def test_verify_cli_on_the_demo_world(prm_run, tmp_path, capsys, loaded):
     records = [json.loads(line) for line in (world / "predictions_dev.jsonl").read_text().splitlines()][:5]
     lines = [{"index": r["index"], "candidates": [r["pred"], GARBAGE, r["gold"]]} for r in records]
     out = tmp_path / "out.jsonl"
-    code = verify.main(["--prm", str(prm_run / "hf_export"), "--data", str(world), "--candidates",
-                        str(write_lines(tmp_path / "c.jsonl", lines)), "--aggregate", "last", "--output", str(out),
-                        "--max_len", "256", "--batch_size", "4"])
+    code = run_command(verify, "--prm", prm_run / "hf_export", "--data", world, "--candidates",
+                       write_lines(tmp_path / "c.jsonl", lines), "--aggregate", "last", "--output", out,
+                       "--max_len", "256", "--batch_size", "4")
     captured = capsys.readouterr()
     assert code == 0, captured.err
     summary = json.loads(captured.out.strip().splitlines()[-1])
@@ -263,13 +264,25 @@ def test_verify_cli_on_the_demo_world(prm_run, tmp_path, capsys, loaded):
     assert summary["prm"] == pytest.approx(np.mean([r["correct"] for r in rows]))
     assert all(r["chosen"] != 1 and r["score"] == r["clauses"][-1][1] for r in rows)  # last = final clause
     assert loaded == [(prm_run / "hf_export", {"batch_size": 4, "max_len": 256})]
-    code = verify.main(["--prm", str(prm_run), "--data", str(tmp_path / "nothing"), "--candidates", str(out)])
+    code = run_command(verify, "--prm", str(prm_run), "--data", str(tmp_path / "nothing"), "--candidates", str(out))
     assert code == 2 and "error: no 'dev' split" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["localize", "--prm", "p", "--data", "d", "--predictions", "f", "--aggregate=mean"],
+     "verify localize: not a flag of this command: --aggregate"),
+    (["rerank", "--prm", "p", "--data", "d"], "verify rerank: --candidates required"),
+    (["--prm", "p", "--data", "d", "--candidate", "c"], "Did you mean: candidates"),
+    (["score", "--prm", "p"], "usage: python -m caper_jax.verify [rerank|localize]"),
+])
+def test_a_bad_command_line_is_exit_status_2_before_the_prm_is_loaded(args, message, capsys, loaded):
+    assert run_command(verify, *args) == 2 and message in capsys.readouterr().err
+    assert loaded == []
+
+
 def test_missing_prm_is_one_clear_error(prm_run, tmp_path, capsys):
-    code = verify.main(["--prm", str(tmp_path / "nothing"), "--data", str(prm_run / "demo_world"),
-                        "--candidates", str(tmp_path / "c.jsonl")])
+    code = run_command(verify, "--prm", str(tmp_path / "nothing"), "--data", str(prm_run / "demo_world"),
+                               "--candidates", str(tmp_path / "c.jsonl"))
     assert code == 2 and "no PRM at" in capsys.readouterr().err
 
 
@@ -280,7 +293,7 @@ class OracleScorer:
         self.blame_root = blame_root
 
     def score_queries(self, rows):
-        from caper_jax.prm import localization as loc
+        from caper_jax.eval import localization as loc
         from caper_jax.sql.contract import CLAUSE_ORDER
 
         out = []
@@ -306,13 +319,13 @@ def test_localization_report_given_and_annotator_roots(prm_run, tmp_path):
     unmarked = [{"index": r["index"], "pred": r["pred"]} for r in suspects]
     path = write_lines(tmp_path / "p.jsonl", given + unlabeled + correct + suspects + unmarked
                        + ["{", {"question": "q"}])
-    rows, skipped = verify.read_failures(world, "dev", path, report=lambda m: None)
+    rows, skipped = verify_lib.read_failures(world, "dev", path, report=lambda m: None)
     assert len(rows) == 16 and skipped == {"correct": 2, "malformed": 2, "suspect": 2 * len(suspects)}
     assert [r["root"] for r in rows[:12]] == [r["true_root_clause"] for r in given]
     assert {r["root_source"] for r in rows[12:]} == {"annotator"}
-    perfect = verify.localization_report(OracleScorer(True), rows, tmp_path / "perfect", skipped)
+    perfect = verify_lib.localization_report(OracleScorer(True), rows, tmp_path / "perfect", skipped)
     assert perfect["localization"]["prm"]["top1"] == 1.0 and perfect["localization"]["prm"]["mrr"] == 1.0
-    tied = verify.localization_report(OracleScorer(False), rows, tmp_path / "tied", skipped)
+    tied = verify_lib.localization_report(OracleScorer(False), rows, tmp_path / "tied", skipped)
     assert tied["localization"]["prm"]["top1"] == pytest.approx(tied["localization"]["random"]["top1"])
     for name in ("localization.md", "localization.json", "localization_top1.png", "localization_mrr.png",
                  "confusion.png"):
@@ -324,9 +337,9 @@ def test_localization_report_given_and_annotator_roots(prm_run, tmp_path):
 
 def test_localize_cli_runs_the_real_prm(prm_run, tmp_path, capsys, loaded):
     world = prm_run / "demo_world"
-    code = verify.main(["localize", "--prm", str(prm_run), "--data", str(world), "--predictions",
-                        str(world / "predictions_dev.jsonl"), "--output_dir", str(tmp_path / "loc"),
-                        "--max_len", "256"])
+    code = run_command(verify, "localize", "--prm", str(prm_run), "--data", str(world), "--predictions",
+                               str(world / "predictions_dev.jsonl"), "--output_dir", str(tmp_path / "loc"),
+                               "--max_len", "256")
     captured = capsys.readouterr()
     assert code == 0, captured.err
     summary = json.loads(captured.out.strip().splitlines()[-1])

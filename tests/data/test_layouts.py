@@ -176,7 +176,7 @@ def test_prm_config_has_a_validated_annotation_semantics():
 
 
 def test_evaluate_ex_on_the_bird_fixture_reads_sql_keys_and_both_folders(layouts, tmp_path):
-    from caper_jax.evaluate_ex import evaluate_ex
+    from caper_jax.eval.ex import evaluate_ex
 
     _, b, (dev, train, others) = layouts
     for split, records in (("dev", dev), ("train", train + others)):

@@ -5,7 +5,7 @@ import sqlite3
 import numpy as np
 import pytest
 
-from caper_jax.evaluate_ex import majority_vote
+from caper_jax.eval.ex import majority_vote
 from caper_jax.prm import scoring
 from caper_jax.sql.execution import Executor
 

@@ -35,7 +35,7 @@ import os
 import pathlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TextIO
+from typing import Any
 
 from caper_jax.data.spider import (SQL_PREDICTION_SUFFIXES, MissingDatabaseError, db_path, load_split,
                                    read_sql_predictions)

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from caper_jax import evaluate
-from caper_jax.evaluate_ex import evaluate_ex
+from caper_jax.eval.ex import evaluate_ex
+from tests.helpers import run_command
 
 WRONG_ERROR = "SELECT * FROM no_such_table"
 WRONG_ROWS = "SELECT 'no such answer', 12345"
@@ -23,7 +24,7 @@ def write_lines(path, records):
 
 
 def run_cli(capsys, *args):
-    code = evaluate.main(["ex", *map(str, args)])
+    code = run_command(evaluate, "ex", *args)
     captured = capsys.readouterr()
     return code, json.loads(captured.out.strip().splitlines()[-1]), captured.err
 
@@ -105,10 +106,21 @@ def test_malformed_lines_are_reported_with_line_numbers_and_skipped(spider, dev,
 
 
 def test_cli_rejects_missing_files(spider, tmp_path, capsys):
-    code = evaluate.main(["ex", "--data", str(spider), "--predictions", str(tmp_path / "absent.jsonl")])
+    code = run_command(evaluate, "ex", "--data", str(spider), "--predictions", str(tmp_path / "absent.jsonl"))
     assert code == 2 and "absent.jsonl" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        evaluate.main(["ex", "--data", str(spider), "--predictions", "p", "--semantics", "exact"])
+    code = run_command(evaluate, "ex", "--data", spider, "--predictions", "p", "--semantics", "exact")
+    assert code == 2 and "--semantics=exact: value should be one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["ex", "--data", "d", "--predictons", "p"], "Unknown command line flag 'predictons'. Did you mean: predictions"),
+    (["ex", "--data", "d", "--predictions", "p", "--workdir=w"], "evaluate ex: not a flag of this command: --workdir"),
+    (["ex", "--data", "d"], "evaluate ex: --predictions required"),
+    (["ex", "extra"], "usage: python -m caper_jax.evaluate ex"),
+    (["--timeout_s=soon"], "flag --timeout_s=soon"),
+])
+def test_a_bad_command_line_is_exit_status_2_before_any_work(args, message, capsys):
+    assert run_command(evaluate, *args) == 2 and message in capsys.readouterr().err
 
 
 def test_bird_layout_with_sql_key_and_dev_databases(tmp_path):

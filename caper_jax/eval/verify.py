@@ -1,0 +1,326 @@
+"""A trained Clause-PRM as a plug-and-play verifier for any system: reranking and localisation.
+
+The command line is ``python -m caper_jax.verify`` (caper_jax/verify.py: rerank, the default
+command, and ``localize``); this module is what it runs.
+
+**Rerank** (``rerank``). Candidate lines are those of ``evaluate ex``: ``index`` (position in
+``<data>/<split>.json``) and ``candidates`` (a list of SQL strings; a ``pred`` line is one
+candidate). Every candidate of every line is scored by the PRM (``caper_jax.prm.scoring``: one
+forward per query, clause scores aggregated by ``--aggregate``; SQL that does not parse scores
+-inf, so it is chosen only when every candidate is unparseable) and executed. The last stdout line
+is the JSON summary over the scored lines::
+
+    {"n", "first", "vote", "prm", "aggregate", "prm_by_aggregate": {min, mean, last, vote_min, vote_mean,
+     vote_last}, "any", "excluded", "malformed"}
+
+``first`` is EX of the first candidate, ``vote`` of the majority vote by execution result
+(``caper_jax.eval.ex.majority_vote``), ``prm`` of the PRM's choice, ``any`` the oracle (some
+candidate right); ``prm_by_aggregate`` holds best-of-k by each aggregate and the PRM-weighted vote
+``vote_<aggregate>`` (``caper_jax.prm.scoring.weighted_vote``: the result class whose members'
+sigmoid scores sum highest). ``--output`` gets one line per well-formed input line: the input fields, ``sql`` (the PRM's
+choice), ``chosen``, ``correct``, ``clauses`` ([name, score] of the chosen SQL), ``score`` (its
+aggregate) and ``candidate_scores`` (every candidate's aggregate). Lines whose database is missing
+or whose gold fails are reported on stderr and excluded from ``n``; malformed lines (not UTF-8, not
+JSON, a lone surrogate, a bad or repeated ``index``) are reported with their line number and skipped
+— as in ``evaluate ex``. An ``--output`` (``--output_dir``) that is or resolves to an input or a
+database is refused before the PRM is loaded; outputs are renamed into place only when complete;
+Ctrl-C exits 130 with no summary.
+
+**Localize**: root-cause localisation of a file of FAILED predictions (lines: ``gold``, ``pred``,
+``question``, ``db_id`` — or ``index`` into the split for the missing ones — and optionally the true
+root as ``root_clause`` or ``true_root_clause``; without one, the annotator's counterfactual
+localisation ``caper_jax.sql.localize`` labels the line, and a prediction it finds correct is
+skipped). Clauses ranked lowest-score-first give top-1 and MRR per true clause for the PRM and the
+baselines of ``caper_jax.eval.localization``; written to ``--output_dir`` as ``localization.json``,
+``localization.md`` (tables, confusion of true vs blamed clause) and PNG plots.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from caper_jax.sql.contract import serialize_schema
+from caper_jax.data.spider import DataError, MissingDatabaseError, db_path, load_schemas, load_split
+from caper_jax.sql.semantics import check_semantics
+from caper_jax.eval.ex import (DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, PredictionError, grade_predictions,
+                               majority_vote)
+from caper_jax.prm.aggregates import AGGREGATES
+from caper_jax.sql.execution import Executor
+from caper_jax.utils import atomic, jsonl
+
+Report = Callable[[str], None]
+
+
+class Scorer(Protocol):
+    def score_queries(self, rows: Sequence[Mapping[str, str]]) -> list[np.ndarray]: ...
+
+
+class _Databases:
+    """Executors and serialised schemas per db_id; a missing database is None, reported once."""
+
+    def __init__(self, data_dir, *, timeout_s: float, max_rows: int, report: Report, where: str):
+        self.data_dir, self.timeout_s, self.max_rows = data_dir, timeout_s, max_rows
+        self.report, self.where = report, where
+        self.tables = load_schemas(data_dir)
+        self._executors: dict[str, Executor | None] = {}
+        self._schemas: dict[str, str] = {}
+
+    def executor(self, db_id: str) -> Executor | None:
+        if db_id not in self._executors:
+            try:
+                self._executors[db_id] = Executor(db_path(self.data_dir, db_id), timeout_s=self.timeout_s,
+                                                  max_rows=self.max_rows)
+            except MissingDatabaseError:
+                self._executors[db_id] = None
+                self.report(f"{self.where}: database {db_id!r} is missing; its lines are excluded")
+        return self._executors[db_id]
+
+    def schema(self, db_id: str) -> str:
+        if db_id not in self._schemas:
+            if db_id not in self.tables:
+                raise DataError(f"database {db_id!r} is not in the schema file of {self.data_dir}")
+            self._schemas[db_id] = serialize_schema(self.tables[db_id])
+        return self._schemas[db_id]
+
+    def close(self) -> None:
+        for executor in self._executors.values():
+            if executor is not None:
+                executor.close()
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+# -- rerank
+
+
+def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: str | os.PathLike, *,
+           aggregate: str = "min", semantics: str = "spider", output: str | os.PathLike | None = None,
+           timeout_s: float = DEFAULT_TIMEOUT_S, max_rows: int = DEFAULT_MAX_ROWS,
+           report: Report | None = None) -> dict:
+    """Reranks every candidates line with the PRM; returns the summary (module docstring)."""
+    from caper_jax.prm import scoring
+
+    if aggregate not in AGGREGATES:
+        raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
+    check_semantics(semantics)
+    report = report or _stderr
+    if output is not None:   # before any work: never the candidates, the data or a database
+        atomic.check_output(output, inputs=data_inputs(data_dir, candidates))
+    examples = load_split(data_dir, split)
+    databases = _Databases(data_dir, timeout_s=timeout_s, max_rows=max_rows, report=report, where=str(candidates))
+    excluded: collections.Counter[str] = collections.Counter()
+    malformed: list[int] = []
+
+    def skip(line_number: int, error: PredictionError) -> None:
+        malformed.append(line_number)
+        report(f"{candidates}:{line_number}: skipped: {error}")
+
+    lines: list[dict[str, Any]] = []  # in file order; excluded lines have "excluded" instead of "right"
+    try:
+        for line in grade_predictions(candidates, examples, databases.executor, semantics=semantics,
+                                      on_malformed=skip):
+            prediction, example = line.prediction, line.example
+            if line.excluded is not None:
+                excluded[line.excluded] += 1
+                if line.excluded != "missing_db":   # a missing database is reported by _Databases, once
+                    report(f"{candidates}:{line.line_number}: example {prediction.index} excluded: {line.excluded}")
+                lines.append({"prediction": prediction, "excluded": line.excluded})
+                continue
+            schema = databases.schema(example.db_id)
+            lines.append({"prediction": prediction, "right": line.right, "vote": majority_vote(line.results, semantics),
+                          "classes": scoring.result_classes(line.results, semantics),
+                          "rows": [{"question": example.question, "schema": schema, "sql": sql}
+                                   for sql in prediction.candidates]})
+    finally:
+        databases.close()
+
+    scored = [line for line in lines if "right" in line]
+    flat = scorer.score_queries([row for line in scored for row in line["rows"]])
+    position = 0
+    counts = collections.Counter()
+    for line in scored:
+        k = len(line["rows"])
+        line["scores"], position = flat[position:position + k], position + k
+        right = line["right"]
+        counts["first"] += right[0]
+        counts["vote"] += right[line["vote"]]
+        counts["any"] += any(right)
+        for how in AGGREGATES:
+            counts[how] += right[scoring.best_index(line["scores"], how)]
+            counts[scoring.VOTE_PREFIX + how] += right[scoring.weighted_vote(line["scores"], line["classes"], how)]
+    n = len(scored)
+    if output is not None:   # a temporary file renamed into place: never half written
+        with atomic.atomic_output(output) as sink:
+            for line in lines:
+                sink.write(json.dumps(_output_row(line, aggregate), ensure_ascii=False) + "\n")
+    rate = lambda key: counts[key] / n if n else 0.0  # noqa: E731
+    return {"n": n, "first": rate("first"), "vote": rate("vote"), "prm": rate(aggregate), "aggregate": aggregate,
+            "prm_by_aggregate": {how: rate(how) for how in scoring.SELECTORS}, "any": rate("any"),
+            "excluded": dict(excluded), "malformed": len(malformed)}
+
+
+def data_inputs(data_dir: str | os.PathLike, *files: str | os.PathLike) -> list:
+    """The input files an output must never be: ``files`` and the dataset's JSON files."""
+    return [*files, *pathlib.Path(data_dir).glob("*.json")]
+
+
+def _output_row(line: dict, how: str) -> dict:
+    from caper_jax.prm import scoring
+
+    prediction = line["prediction"]
+    if "right" not in line:
+        return {**prediction.record, "correct": None, "excluded": line["excluded"]}
+    chosen = scoring.best_index(line["scores"], how)
+    sql = prediction.candidates[chosen]
+    scores = line["scores"][chosen]
+    return {**prediction.record, "sql": sql, "chosen": chosen, "correct": line["right"][chosen],
+            "clauses": [[name, _json_float(s)] for name, s in zip(scoring.clause_names(sql), scores)],
+            "score": _json_float(scoring.aggregate(scores, how)),
+            "candidate_scores": [_json_float(scoring.aggregate(s, how)) for s in line["scores"]]}
+
+
+def _json_float(x: float) -> float | str | None:
+    """JSON has no NaN/inf: NaN (a truncated clause) -> null, ±inf (unparseable) -> "-inf"/"inf"."""
+    x = float(x)
+    if np.isnan(x):
+        return None
+    if np.isinf(x):
+        return "-inf" if x < 0 else "inf"
+    return x
+
+
+# -- localize
+
+
+def read_failures(data_dir: str | os.PathLike, split: str, predictions: str | os.PathLike, *,
+                  timeout_s: float = DEFAULT_TIMEOUT_S, report: Report | None = None) -> tuple[list[dict], dict]:
+    """Failed predictions with their root clause, as rows for scoring; and counts of skipped lines."""
+    from caper_jax.sql.clauses import SqlParseError, split_clauses
+    from caper_jax.sql.localize import GoldError, localize
+    from caper_jax.sql.schema import Schema
+    from caper_jax.eval.prm_heldout import with_baseline_inputs
+
+    report = report or _stderr
+    examples: list = []
+
+    def split_examples() -> list:
+        if not examples:
+            examples.extend(load_split(data_dir, split))
+        return examples
+
+    databases = _Databases(data_dir, timeout_s=timeout_s, max_rows=DEFAULT_MAX_ROWS, report=report,
+                           where=str(predictions))
+    schemas: dict[str, Schema] = {}
+    rows, skipped = [], collections.Counter()
+    try:
+        with jsonl.open_text_lines(predictions) as f:   # decoded line by line: a bad byte spoils one line
+            for line_number, text in enumerate(f, start=1):
+                if not text.strip():
+                    continue
+                try:   # not UTF-8, not JSON, a lone surrogate, missing fields: that line only
+                    record = _failure_record(jsonl.parse_json_line(text), split_examples)
+                except (jsonl.LineError, PredictionError) as error:
+                    skipped["malformed"] += 1
+                    report(f"{predictions}:{line_number}: skipped: {error}")
+                    continue
+                if record["db_id"] not in databases.tables:
+                    skipped["unknown_db"] += 1
+                    report(f"{predictions}:{line_number}: skipped: database {record['db_id']!r} not in the schemas")
+                    continue
+                # A failure that may answer the question (a tie, a type-only difference, a literal's
+                # case: docs/annotation.md 2a) has no root to find; the demo world marks its own.
+                if record.get("kind") == "suspect" or record.get("suspect"):
+                    skipped["suspect"] += 1
+                    continue
+                root, source = record.get("root_clause") or record.get("true_root_clause"), "given"
+                if root is None:
+                    executor = databases.executor(record["db_id"])
+                    if executor is None:
+                        skipped["missing_db"] += 1
+                        continue
+                    if record["db_id"] not in schemas:
+                        schemas[record["db_id"]] = Schema.from_sqlite(db_path(data_dir, record["db_id"]),
+                                                                      record["db_id"])
+                    try:
+                        found = localize(record["gold"], record["pred"], executor, schemas[record["db_id"]])
+                    except GoldError as error:
+                        skipped["gold_error"] += 1
+                        report(f"{predictions}:{line_number}: skipped: {error}")
+                        continue
+                    if found.correct:
+                        skipped["correct"] += 1
+                        continue
+                    if found.suspect:
+                        skipped["suspect"] += 1
+                        report(f"{predictions}:{line_number}: skipped: suspect failure ({found.suspect})")
+                        continue
+                    root, source = found.root_clause, "annotator"
+                try:
+                    pred_units = [(u.name, u.text) for u in split_clauses(record["pred"])]
+                    gold_units = [(u.name, u.text) for u in split_clauses(record["gold"])]
+                except SqlParseError:
+                    skipped["unparseable"] += 1  # no clauses to rank
+                    continue
+                row = {"question": record["question"], "schema": databases.schema(record["db_id"]),
+                       "sql": record["pred"], "root": root, "root_source": source,
+                       "pred_units": pred_units, "gold_units": gold_units}
+                # Lines carrying "samples" / "clause_logprob" also get the gold-free baselines.
+                rows.append(with_baseline_inputs(row, record, schemas.get(record["db_id"])))
+    finally:
+        databases.close()
+    return rows, dict(skipped)
+
+
+def _failure_record(record: Any, split_examples: Callable[[], list]) -> dict:
+    if not isinstance(record, dict):
+        raise PredictionError("not a JSON object")
+    record = dict(record)
+    if not all(isinstance(record.get(k), str) for k in ("gold", "question", "db_id")):
+        index = record.get("index")
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise PredictionError("needs 'gold', 'question' and 'db_id', or an integer 'index' into the split")
+        examples = split_examples()
+        if not 0 <= index < len(examples):
+            raise PredictionError(f"'index' must be in [0, {len(examples)}), got {index}")
+        example = examples[index]
+        record.setdefault("gold", example.query)
+        record.setdefault("question", example.question)
+        record.setdefault("db_id", example.db_id)
+    if not isinstance(record.get("pred"), str):
+        raise PredictionError("'pred' must be a string")
+    return record
+
+
+def localization_report(scorer: Scorer, rows: list[dict], out_dir: str | os.PathLike, skipped: dict) -> dict:
+    """Scores the failures, summarises PRM vs baselines, writes json, markdown and plots."""
+    from caper_jax.eval import report as report_lib
+    from caper_jax.eval import prm_heldout
+
+    localization = prm_heldout.localization_summaries(rows, scorer.score_queries(rows)) if rows else {}
+    results = {"n": len(rows), "skipped": skipped,
+               "root_source": dict(collections.Counter(r["root_source"] for r in rows)),
+               "localization": localization}
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # Every file is written into a temporary directory beside them, then renamed into place, the
+    # JSON last: an interrupted run leaves the previous report (or none), never a truncated file.
+    staging = pathlib.Path(tempfile.mkdtemp(dir=out, prefix=".localization-partial-"))
+    try:
+        report_lib.write_localization_report(results, staging)
+        (staging / "localization.json").write_text(json.dumps(results, indent=1) + "\n")
+        for path in sorted(staging.iterdir(), key=lambda p: p.name == "localization.json"):
+            os.replace(path, out / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return results
