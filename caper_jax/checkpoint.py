@@ -1,11 +1,13 @@
 """Checkpoints: orbax CheckpointManager plus an integrity manifest, so resume takes the newest WHOLE one.
 
-One checkpoint = one orbax step directory with up to three items saved together (atomically):
+One checkpoint = one orbax step directory with up to four items saved together (atomically):
 
 * ``state``  - the train state pytree (params, optimizer state, step; plain pytree or ``nnx.State``),
   written by ``StandardSave`` (OCDBT/zarr, every process writes its own shards);
 * ``data``   - the Grain iterator position (``grain.checkpoint.CheckpointSave``, one JSON per process);
-* ``config`` - the run's config as JSON.
+* ``config`` - the run's config as JSON;
+* ``run``    - what the run is (``caper_jax.runs.record``: the resolved model architecture and the
+  tokenizer directory), read back by ``caper_jax.runs.load_run``.
 
 Orbax already makes a save atomic (it writes ``<step>.orbax-checkpoint-tmp`` and renames it when
 every process has committed), so an interrupted write is never listed as a step. What orbax does
@@ -148,7 +150,7 @@ class Checkpointer:
     # -- saving
 
     def save(self, step: int, state: Any, *, data_iterator: grain.DatasetIterator | None = None,
-             config: Any = None, force: bool = False) -> bool:
+             config: Any = None, run: Mapping[str, Any] | None = None, force: bool = False) -> bool:
         if not force and not self._manager.should_save(step):
             return False
         # Orbax runs one save at a time anyway; waiting here tells _seal which step it seals.
@@ -158,6 +160,8 @@ class Checkpointer:
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
         if config is not None:
             items["config"] = ocp.args.JsonSave(_jsonable(config))
+        if run is not None:
+            items["run"] = ocp.args.JsonSave(_jsonable(run))
         self._in_flight = step
         started = self._manager.save(step, args=ocp.args.Composite(**items), force=force)
         if not self._async:

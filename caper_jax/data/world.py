@@ -32,6 +32,7 @@ class DataWorld:
     database_dir: tuple[pathlib.Path, ...]     # folders with <db_id>/<db_id>.sqlite (readers.database_dirs)
     tokenizer: object                          # transformers PreTrainedTokenizer(Fast)
     kind: str
+    tokenizer_dir: pathlib.Path                # where the tokenizer was loaded from (saved with checkpoints)
 
     def db_path(self, db_id: str, split: str | None = None) -> pathlib.Path:
         """``<db_id>.sqlite`` (``split``'s own folder first); raises ``readers.MissingDatabaseError``."""
@@ -55,12 +56,13 @@ def prepare_world(config, workdir: str | pathlib.Path) -> DataWorld:
                          dev_size=config.data.demo_dev_size)
         tok_dir = root / "tokenizer"
         if config.model.tokenizer_dir:
+            tok_dir = pathlib.Path(config.model.tokenizer_dir)
             tokenizer = _tokenizer_from(config.model.tokenizer_dir)
         elif (tok_dir / "tokenizer.json").exists():
             tokenizer = _tokenizer_from(str(tok_dir))
         else:
             tokenizer = build_demo_tokenizer(tok_dir, seed=config.seed)
-        return DataWorld(root, readers.database_dirs(root), tokenizer, kind)
+        return DataWorld(root, readers.database_dirs(root), tokenizer, kind, tok_dir)
     if kind == "spider":
         if not config.data.dir:
             raise WorldError("data.kind='spider' needs --config.data.dir=<Spider/BIRD layout directory>")
@@ -74,5 +76,5 @@ def prepare_world(config, workdir: str | pathlib.Path) -> DataWorld:
         if not databases:
             raise WorldError(f"{root} has no database folder (Spider: database/; BIRD: dev_databases/, "
                              f"train_databases/ or dev/dev_databases/, train/train_databases/)")
-        return DataWorld(root, databases, _tokenizer_from(source), kind)
+        return DataWorld(root, databases, _tokenizer_from(source), kind, pathlib.Path(source))
     raise WorldError(f"data.kind={kind!r}; expected 'demo' or 'spider'")
