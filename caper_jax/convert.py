@@ -1,19 +1,25 @@
-"""Qwen3.5 checkpoint conversion: transformers safetensors <-> orbax, and a parity check.
+"""Qwen3.5 checkpoint conversion: transformers safetensors <-> orbax run, and a parity check.
 
     python -m caper_jax.convert hf-to-orbax --hf_dir D --out O [--dtype bfloat16]
     python -m caper_jax.convert orbax-to-hf --ckpt O --out D2 [--max_shard_gb 5]
     python -m caper_jax.convert verify --hf_dir D [--batch 2 --seq_len 96 --new_tokens 16]
 
-An orbax checkpoint here is a directory with `params/` (orbax StandardSave of the parameter
-pytree, as nested dicts) and `config.json` (the HF config, so the directory is self-describing).
-Parameters keep their dtype, so hf-to-orbax followed by orbax-to-hf reproduces every tensor bit
-for bit. `verify` runs transformers' PyTorch model and caper_jax on the same random tokens; its last
-stdout line is JSON: max_abs_logit_diff, mean_kl (KL(hf || caper_jax) per position), greedy_match
-(both greedy-decode the same tokens). The reference needs torch (requirements-test.txt): without it
-`verify` says so and exits 2 before loading anything.
+`hf-to-orbax` writes a run directory, the layout the trainers write (``caper_jax.runs``):
+`O/checkpoints/0/` holds the parameters (orbax, with the integrity manifest), a config naming the
+source (``trainer: convert``, ``model.hf_dir``) and the run record (the model's architecture and
+the tokenizer directory, D when it holds a tokenizer). So ``caper_jax.runs.load_run`` reads it, and
+a trainer starts from it (``model.init_from`` of a PRM config, ``policy.sft_workdir`` of a GRPO
+config) as from an SFT run. `orbax-to-hf` reads such a directory, or an SFT/GRPO workdir, through
+``load_run``. Parameters keep their dtype, so hf-to-orbax followed by orbax-to-hf reproduces every
+tensor bit for bit. `verify` runs transformers' PyTorch model and caper_jax on the same random tokens;
+its last stdout line is JSON: max_abs_logit_diff, mean_kl (KL(hf || caper_jax) per position),
+greedy_match (both greedy-decode the same tokens). The reference needs torch (requirements-test.txt):
+without it `verify` says so and exits 2 before loading anything.
 
-Before any work, one line on stderr and exit status 2 for: a missing input directory or
-config.json, a config.json that is not a JSON object, an `--out` that is (or holds) the input, is a
+Flags are absl flags, as caper_jax.train's; the command is the first positional argument. Before any
+work, one line on stderr and exit status 2 for: a flag that is unknown, mistyped or not read by the
+command, a missing input directory or config.json, a config.json that is not a JSON object, a
+`--ckpt` that is not a whole SFT/GRPO/converted run, an `--out` that is (or holds) the input, is a
 file or a non-empty directory, or whose parent cannot be written. A checkpoint whose tensors do not
 fit its config (missing, unused or wrongly shaped tensors) ends the run with one line too. Outputs
 are written into a temporary directory beside `--out` and renamed to it at the end, so an
@@ -22,7 +28,6 @@ interrupted conversion never leaves a directory that looks complete; Ctrl-C exit
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -35,46 +40,45 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
+from absl import app, flags
 from flax import nnx
-from jax.sharding import Mesh
 
+from caper_jax import runs
+from caper_jax.checkpoint import Checkpointer
 from caper_jax.models import Qwen35Config, Qwen35ForCausalLM, from_hf, to_hf
-from caper_jax.models.hf_io import abstract_model
-from caper_jax.parallel.rules import logical_to_sharding
-from caper_jax.utils import atomic
+from caper_jax.utils import atomic, cli
 
-PARAMS_DIR = "params"
+FLAGS = flags.FLAGS
+
+COMMANDS = ("hf-to-orbax", "orbax-to-hf", "verify")
+COMMAND_FLAGS = {"hf-to-orbax": ("hf_dir", "out", "dtype"), "orbax-to-hf": ("ckpt", "out", "max_shard_gb"),
+                 "verify": ("hf_dir", "batch", "seq_len", "new_tokens", "seed")}
+REQUIRED = {"hf-to-orbax": ("hf_dir", "out"), "orbax-to-hf": ("ckpt", "out"), "verify": ("hf_dir",)}
 
 
-def save_orbax(model: Qwen35ForCausalLM, config: Qwen35Config, out: str | pathlib.Path) -> pathlib.Path:
-    """Writes `out/params` (orbax StandardSave of the param pytree) and `out/config.json`."""
-    out = pathlib.Path(out).absolute()
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(out / PARAMS_DIR, params)
-    if jax.process_index() == 0:
-        (out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2, sort_keys=True))
+def save_run(model: Qwen35ForCausalLM, config: Qwen35Config, hf_dir: str | pathlib.Path,
+             out: str | pathlib.Path) -> pathlib.Path:
+    """Writes `out` as a run directory holding `model`'s parameters (module docstring)."""
+    out, hf_dir = pathlib.Path(out).absolute(), pathlib.Path(hf_dir).absolute()
+    tokenizer = hf_dir if (hf_dir / "tokenizer_config.json").is_file() else None
+    source = {"trainer": runs.CONVERTED,
+              "model": {"hf_dir": str(hf_dir), "dtype": config.dtype, "param_dtype": config.param_dtype}}
+    with Checkpointer(out / "checkpoints", async_save=False) as checkpointer:
+        # {"params"}: the subtree of a trainer's TrainState that load_run reads
+        checkpointer.save(0, {"params": nnx.state(model)}, config=source, run=runs.record(config, tokenizer),
+                          force=True)
     return out
 
 
-def load_orbax(
-    ckpt: str | pathlib.Path, mesh: Mesh | None = None, rules: Sequence[tuple[str, Any]] | None = None, **runtime: Any
-) -> tuple[Qwen35ForCausalLM, Qwen35Config]:
-    """Restores a `save_orbax` directory; with a mesh, each parameter is restored onto its sharding."""
-    ckpt = pathlib.Path(ckpt).absolute()
-    hf_config = json.loads((ckpt / "config.json").read_text())
-    dtype = hf_config.get("dtype", "float32")
-    config = Qwen35Config.from_hf_dict(hf_config, **{"dtype": dtype, "param_dtype": dtype, **runtime})
-    graphdef, params, rest = nnx.split(abstract_model(config, mesh, rules), nnx.Param, ...)
-    if mesh is not None:
-        shardings = logical_to_sharding(params, mesh, rules or ())
-        params = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), params, shardings)
-    target = nnx.to_pure_dict(params)
-    with ocp.StandardCheckpointer() as checkpointer:
-        restored = checkpointer.restore(ckpt / PARAMS_DIR, target)
-    nnx.replace_by_pure_dict(params, restored)
-    return nnx.merge(graphdef, params, rest), config
+def load_run_model(ckpt: str | pathlib.Path) -> tuple[Qwen35ForCausalLM, Qwen35Config]:
+    """The causal LM of a converted or SFT/GRPO run, its parameters spread over every device."""
+    from caper_jax.parallel import mesh as mesh_lib
+    from caper_jax.parallel.rules import DEFAULT_RULES
+
+    mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
+    run = runs.load_run(ckpt, mesh=mesh, rules=tuple(tuple(r) for r in DEFAULT_RULES),
+                        trainers=runs.POLICY_TRAINERS)
+    return run.model, run.model_config
 
 
 # verify ------------------------------------------------------------------------------------------
@@ -191,55 +195,58 @@ def _into_place(out: str, write) -> pathlib.Path:
     return target
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m caper_jax.convert", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("hf-to-orbax", help="transformers checkpoint dir -> orbax checkpoint dir")
-    p.add_argument("--hf_dir", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--dtype", default=None, help="param dtype (default: the checkpoint's config dtype)")
-    p = sub.add_parser("orbax-to-hf", help="orbax checkpoint dir -> transformers checkpoint dir")
-    p.add_argument("--ckpt", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--max_shard_gb", type=float, default=5.0)
-    p = sub.add_parser("verify", help="compare with transformers on random tokens (JSON on the last line)")
-    p.add_argument("--hf_dir", required=True)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq_len", type=int, default=96)
-    p.add_argument("--new_tokens", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    """The command's flags; defined only when it runs, so importing this module defines none."""
+    flags.DEFINE_string("hf_dir", None, "hf-to-orbax, verify: transformers checkpoint directory.",
+                        flag_values=flag_values)
+    flags.DEFINE_string("ckpt", None, "orbax-to-hf: run directory (hf-to-orbax output, SFT/GRPO workdir).",
+                        flag_values=flag_values)
+    flags.DEFINE_string("out", None, "hf-to-orbax, orbax-to-hf: output directory (absent or empty).",
+                        flag_values=flag_values)
+    flags.DEFINE_string("dtype", None, "hf-to-orbax: param dtype (default: the checkpoint's config dtype).",
+                        flag_values=flag_values)
+    flags.DEFINE_float("max_shard_gb", 5.0, "orbax-to-hf: safetensors shard size.", flag_values=flag_values)
+    flags.DEFINE_integer("batch", 2, "verify: sequences.", flag_values=flag_values)
+    flags.DEFINE_integer("seq_len", 96, "verify: tokens per sequence.", flag_values=flag_values)
+    flags.DEFINE_integer("new_tokens", 16, "verify: greedy-decoded tokens compared.", flag_values=flag_values)
+    flags.DEFINE_integer("seed", 0, "verify: random tokens' seed.", flag_values=flag_values)
+
+
+def main(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> int:
+    """``argv``: what absl left after the flags, the program and the command."""
+    command = list(argv[1:])
+    if len(command) != 1 or command[0] not in COMMANDS:
+        raise app.UsageError(f"usage: python -m caper_jax.convert {{{','.join(COMMANDS)}}} [flags]",
+                             exitcode=cli.USAGE_STATUS)
+    command = command[0]
+    cli.check_command(flag_values, f"convert {command}", defined=sorted({n for f in COMMAND_FLAGS.values() for n in f}),
+                      reads=COMMAND_FLAGS[command], required=REQUIRED[command])
     try:
-        return _run(args)
+        return _run(command, flag_values)
     except (ValueError, ReferenceUnavailable, FileNotFoundError) as error:  # CheckpointError, OutputError
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"interrupted: convert {args.command} stopped; no output written", file=sys.stderr)
+        print(f"interrupted: convert {command} stopped; no output written", file=sys.stderr)
         return 130
 
 
-def _run(args: argparse.Namespace) -> int:
-    source = args.ckpt if args.command == "orbax-to-hf" else args.hf_dir
-    hf_config = _read_config(source, "--ckpt" if args.command == "orbax-to-hf" else "--hf_dir")
-    if args.command == "verify":
+def _run(command: str, f: flags.FlagValues) -> int:
+    if command == "orbax-to-hf":
+        runs.read_run(f.ckpt, trainers=runs.POLICY_TRAINERS)   # a whole run with a causal LM, before any work
+        atomic.check_output_dir(f.out, inputs=(f.ckpt,), flag="--out", must_be_empty=True)
+        model, config = load_run_model(f.ckpt)
+        max_shard_bytes = int(f.max_shard_gb * 2**30)
+        print(_into_place(f.out, lambda staging: to_hf(model, config, staging, max_shard_bytes=max_shard_bytes)))
+        return 0
+    hf_config = _read_config(f.hf_dir, "--hf_dir")
+    if command == "verify":
         require_reference()
-    else:
-        atomic.check_output_dir(args.out, inputs=(source,), flag="--out", must_be_empty=True)
-    if args.command == "orbax-to-hf" and not (pathlib.Path(source) / PARAMS_DIR).is_dir():
-        raise ValueError(f"--ckpt {source} has no {PARAMS_DIR}/ (not written by hf-to-orbax)")
-
-    if args.command == "hf-to-orbax":
-        dtype = args.dtype or _checkpoint_dtype(hf_config)
-        model, config = from_hf(args.hf_dir, dtype=dtype)
-        print(_into_place(args.out, lambda staging: save_orbax(model, config, staging)))
-    elif args.command == "orbax-to-hf":
-        model, config = load_orbax(args.ckpt)
-        max_shard_bytes = int(args.max_shard_gb * 2**30)
-        print(_into_place(args.out, lambda staging: to_hf(model, config, staging, max_shard_bytes=max_shard_bytes)))
-    else:
-        report = verify(args.hf_dir, args.batch, args.seq_len, args.new_tokens, args.seed)
-        print(json.dumps(report))
+        print(json.dumps(verify(f.hf_dir, f.batch, f.seq_len, f.new_tokens, f.seed)))
+        return 0
+    atomic.check_output_dir(f.out, inputs=(f.hf_dir,), flag="--out", must_be_empty=True)
+    model, config = from_hf(f.hf_dir, dtype=f.dtype or _checkpoint_dtype(hf_config))
+    print(_into_place(f.out, lambda staging: save_run(model, config, f.hf_dir, staging)))
     return 0
 
 
@@ -251,4 +258,5 @@ def _checkpoint_dtype(hf_config: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    define_flags()
+    app.run(main, flags_parser=cli.parse_flags)

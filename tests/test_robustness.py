@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, run_command
 
 # Never ends on its own: SQLite counts until the executor's deadline (set far beyond the test).
 ENDLESS = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
@@ -166,7 +166,7 @@ def test_evaluate_ex_refuses_to_overwrite_its_predictions(spider, tmp_path, conc
     link = tmp_path / "link.jsonl"
     link.symlink_to(predictions)
     for out in (predictions, link):
-        code = evaluate.main(["ex", "--data", str(spider), "--predictions", str(predictions), "--output", str(out)])
+        code = run_command(evaluate, "ex", "--data", spider, "--predictions", predictions, "--output", out)
         err = capsys.readouterr().err
         assert code == 2 and "is the input" in err and err.count("\n") == 1, err
         assert predictions.read_bytes() == before
@@ -178,13 +178,13 @@ def test_verify_refuses_to_overwrite_its_candidates_before_loading_the_prm(spide
     candidates = write_lines(tmp_path / "c.jsonl", ["not json", {"index": concert_index, "candidates": ["SELECT 1"]}])
     before = candidates.read_bytes()
     # --prm names nothing: the output is refused before the PRM would be looked for.
-    code = verify.main(["--prm", str(tmp_path / "no_prm"), "--data", str(spider), "--candidates", str(candidates),
-                        "--output", str(candidates)])
+    code = run_command(verify, "--prm", tmp_path / "no_prm", "--data", spider, "--candidates", candidates,
+                       "--output", candidates)
     err = capsys.readouterr().err
     assert code == 2 and "is the input" in err and "no PRM" not in err, err
     assert candidates.read_bytes() == before
-    code = verify.main(["localize", "--prm", str(tmp_path), "--data", str(spider), "--predictions",
-                        str(candidates), "--output_dir", str(candidates)])
+    code = run_command(verify, "localize", "--prm", tmp_path, "--data", spider, "--predictions", candidates,
+                       "--output_dir", candidates)
     err = capsys.readouterr().err
     assert code == 2 and "--output_dir" in err and candidates.read_bytes() == before, err
 
@@ -300,8 +300,9 @@ def test_ctrl_c_in_a_query_stops_verify(spider, tmp_path, concert_index):
     out = tmp_path / "out.jsonl"
     out.write_text(OLD)
     # The PRM is scored after every line is executed; a stand-in scorer keeps the test to the SQLite part.
-    code = ("import sys; import caper_jax.prm.scoring as s; s.load_scorer = lambda *a, **k: None; "
-            "from caper_jax import verify; sys.exit(verify.main(sys.argv[1:]))")
+    code = ("import caper_jax.prm.scoring as s; s.load_scorer = lambda *a, **k: None; "
+            "from absl import app; from caper_jax import verify; from caper_jax.utils import cli; "
+            "verify.define_flags(); app.run(verify.main, flags_parser=cli.parse_flags)")
     result = interrupt_during_query(["-c", code, "--prm", tmp_path, "--data", spider, "--candidates", candidates,
                                      "--output", out, "--timeout_s", "120"], b"c.jsonl:1: skipped")
     assert_interrupted(*result, out)
@@ -331,7 +332,7 @@ def test_annotate_reports_bad_bytes_and_lone_surrogates_by_line(tmp_path, db):
 
 
 def test_evaluate_ex_reports_bad_lines_and_repeated_indices_by_line(spider, tmp_path, concert_index):
-    from caper_jax.evaluate_ex import evaluate_ex
+    from caper_jax.eval.ex import evaluate_ex
 
     examples = json.loads((spider / "dev.json").read_text())
     gold = examples[concert_index]["query"]
@@ -352,7 +353,7 @@ def test_evaluate_ex_reports_bad_lines_and_repeated_indices_by_line(spider, tmp_
 
 
 def test_verify_localize_skips_lone_surrogates_and_bad_bytes_by_line(spider, tmp_path, concert_index):
-    from caper_jax import verify
+    from caper_jax.eval import verify
 
     path = tmp_path / "p.jsonl"
     path.write_bytes(b'{"index": %d, "pred": "SELECT \\ud800", "root_clause": "SELECT"}\n' % concert_index
@@ -387,8 +388,8 @@ def test_convert_verify_without_torch_says_so_and_fails(tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
-    code = ("import sys; sys.modules['torch'] = None; from caper_jax import convert; "
-            "sys.exit(convert.main(sys.argv[1:]))")
+    code = ("import sys; sys.modules['torch'] = None; from absl import app; from caper_jax import convert; "
+            "from caper_jax.utils import cli; convert.define_flags(); app.run(convert.main, flags_parser=cli.parse_flags)")
     proc = subprocess.run([sys.executable, "-c", code, "verify", "--hf_dir", str(hf)], cwd=REPO,
                           capture_output=True, text=True, timeout=180)
     assert_one_line_error(proc, "needs torch", "requirements-test.txt")
@@ -422,22 +423,22 @@ def test_convert_refuses_bad_inputs_and_outputs_with_one_line(tmp_path, capsys):
     cases = [
         (["hf-to-orbax", "--hf_dir", no_config, "--out", tmp_path / "o1"], "has no config.json"),
         (["hf-to-orbax", "--hf_dir", tmp_path / "absent", "--out", tmp_path / "o1"], "no such directory"),
-        (["orbax-to-hf", "--ckpt", no_config, "--out", tmp_path / "o1"], "has no config.json"),
+        (["orbax-to-hf", "--ckpt", tmp_path / "absent", "--out", tmp_path / "o1"], "does not exist"),
         (["hf-to-orbax", "--hf_dir", good, "--out", good], "is (or holds) the input"),
         (["hf-to-orbax", "--hf_dir", good, "--out", tmp_path / "busy"], "not empty"),
         (["hf-to-orbax", "--hf_dir", wrong_shape, "--out", tmp_path / "o1"], "shape"),
-        (["orbax-to-hf", "--ckpt", good, "--out", tmp_path / "o1"], "has no params/"),
+        (["orbax-to-hf", "--ckpt", good, "--out", tmp_path / "o1"], "neither a trainer workdir"),
     ]
     before = sorted(p.name for p in good.iterdir())
     for args, message in cases:
-        code = convert.main([str(a) for a in args])
+        code = run_command(convert, *args)
         err = capsys.readouterr().err
         assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, (args, err)
     assert not (tmp_path / "o1").exists() and no_temporary_files(tmp_path), sorted(tmp_path.iterdir())
     assert sorted(p.name for p in good.iterdir()) == before and (tmp_path / "busy" / "keep.txt").read_text() == "mine"
     with contextlib.redirect_stdout(open(os.devnull, "w")):
-        assert convert.main(["hf-to-orbax", "--hf_dir", str(good), "--out", str(tmp_path / "o2")]) == 0
-    assert (tmp_path / "o2" / "params").is_dir() and no_temporary_files(tmp_path)
+        assert run_command(convert, "hf-to-orbax", "--hf_dir", good, "--out", tmp_path / "o2") == 0
+    assert (tmp_path / "o2" / "checkpoints" / "0").is_dir() and no_temporary_files(tmp_path)
 
 
 def train(workdir, *extra) -> subprocess.CompletedProcess:

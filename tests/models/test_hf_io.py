@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 from caper_jax import convert
 from caper_jax.models import from_hf, to_hf
 from caper_jax.models.hf_io import CheckpointError
-from tests.helpers import build_hf_model
+from tests.helpers import build_hf_model, run_command
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -57,8 +57,8 @@ def hf_dirs(tmp_path_factory) -> dict[str, pathlib.Path]:
 def test_hf_orbax_hf_round_trip_is_bit_exact(hf_dirs, tmp_path, name):
     source = hf_dirs[name]
     with contextlib.redirect_stdout(io.StringIO()):
-        assert convert.main(["hf-to-orbax", "--hf_dir", str(source), "--out", str(tmp_path / "orbax")]) == 0
-        assert convert.main(["orbax-to-hf", "--ckpt", str(tmp_path / "orbax"), "--out", str(tmp_path / "hf")]) == 0
+        assert run_command(convert, "hf-to-orbax", "--hf_dir", source, "--out", tmp_path / "orbax") == 0
+        assert run_command(convert, "orbax-to-hf", "--ckpt", tmp_path / "orbax", "--out", tmp_path / "hf") == 0
     assert_bit_identical(read_tensors(source), read_tensors(tmp_path / "hf"))
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["tie_word_embeddings"] == (name == "tied")
@@ -127,7 +127,7 @@ def test_bad_checkpoints_raise_typed_errors(hf_dirs, tmp_path):
 def test_verify_cli_reports_parity(hf_dirs):
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        convert.main(["verify", "--hf_dir", str(hf_dirs["tied"]), "--batch", "1", "--seq_len", "24", "--new_tokens", "4"])
+        run_command(convert, "verify", "--hf_dir", hf_dirs["tied"], "--batch", "1", "--seq_len", "24", "--new_tokens", "4")
     report = json.loads(stdout.getvalue().strip().splitlines()[-1])
     # Bounds from fp32 precision, not from what one processor printed. Logits: each forward pass
     # rounds at eps = 1.2e-7 relative per op; errors from a few hundred accumulations (every GEMM
