@@ -39,8 +39,8 @@ def test_fast_verifier_runs_every_stage(tmp_path):
     dev = json.loads((spider_dir() / "dev.json").read_text())
     view_dev = json.loads((out / "spider" / "dev.json").read_text())
     assert all(dev[r["source_index"]]["question"] == r["question"] for r in view_dev)
-    from caper_jax.eval import restore
-    stored = restore.stored_config(restore.latest_whole_step(restore.checkpoints_dir(out / "prm")))
+    from caper_jax import runs
+    stored = runs.read_run(out / "prm").config
     assert stored["model"]["init_from"] == str(out / "sft") and stored["annotate"]["candidate_contrasts"]
     md = (out / "results.md").read_text()
     assert "| MV@6 |" in md and "(picked on train)" in md and "| oracle@6 |" in md

@@ -2,10 +2,9 @@
 
 Loading (``load_scorer(path)``) accepts what the PRM trainer writes:
 
-* a trainer workdir (or its ``checkpoints/``): the newest whole orbax checkpoint is restored —
-  parameters only, no optimizer moments — into the model its stored config describes (preset and
-  dtypes; vocabulary size read from the stored embedding, architecture from ``model.hf_dir`` when
-  the PRM was initialised from HF weights), with the workdir's tokenizer;
+* a trainer workdir (or its ``checkpoints/``): ``caper_jax.runs.load_run`` restores the newest whole
+  orbax checkpoint — parameters only, no optimizer moments — into the architecture the run recorded,
+  with the run's tokenizer;
 * an HF export (``hf_export/``: ``Qwen3_5TextForSequenceClassification`` safetensors with
   ``score.weight``, and the tokenizer files ``export_prm_to_hf`` saves next to them).
 
@@ -49,8 +48,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from caper_jax import runs
 from caper_jax.data import prm_pipeline as pipe_lib
-from caper_jax.eval import restore
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
@@ -154,7 +153,7 @@ def clause_names(sql: str) -> list[str]:
         return []
 
 
-# -- batched scoring (caper_jax.prm.evaluation scores its held-out failures with it too)
+# -- batched scoring (caper_jax.eval.prm_heldout scores its held-out failures with it too)
 
 
 def _check_rows(rows: Sequence[Mapping[str, Any]]) -> None:
@@ -243,39 +242,11 @@ def load_scorer(path: str | pathlib.Path, *, mesh=None, rules=None, batch_size: 
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         return ClausePrmScorer(model, tokenizer, mesh=mesh, rules=rules, batch_size=batch_size,
                                max_len=max_len or DEFAULT_MAX_LEN, bucket_lengths=bucket_lengths)
-    ckpt_dir = restore.checkpoints_dir(path)
-    workdir = ckpt_dir.parent
-    step_dir = restore.latest_whole_step(ckpt_dir)
-    config = restore.stored_config(step_dir)
-    if config.get("trainer") != "prm":
-        raise ScoringError(f"{step_dir} was written by the {config.get('trainer')!r} trainer, not a Clause-PRM")
-    model = restore_prm(step_dir, config, mesh, rules, dtype=dtype)
-    data = config.get("data", {})
-    return ClausePrmScorer(model, restore.workdir_tokenizer(config, workdir), mesh=mesh, rules=rules,
+    run = runs.load_run(path, mesh=mesh, rules=rules, trainers=("prm",), dtype=dtype)
+    data = run.config.get("data", {})
+    return ClausePrmScorer(run.model, run.tokenizer(), mesh=mesh, rules=rules,
                            batch_size=batch_size, max_len=max_len or data.get("max_len", DEFAULT_MAX_LEN),
                            bucket_lengths=bucket_lengths or (None if max_len else data.get("bucket_lengths")))
-
-
-def restore_prm(step_dir: pathlib.Path, config: Mapping[str, Any], mesh, rules, *, dtype: str | None = None
-                ) -> ClausePRM:
-    """The ClausePRM of a PRM trainer checkpoint, parameters restored onto their shardings."""
-    from caper_jax.models import hf_io
-    from caper_jax.models.presets import model_preset
-
-    model_cfg = config["model"]
-    runtime = dict(dtype=dtype or model_cfg.get("dtype", "float32"),
-                   param_dtype=model_cfg.get("param_dtype", "float32"), remat="none")
-    if model_cfg.get("hf_dir"):
-        if not pathlib.Path(model_cfg["hf_dir"], "config.json").is_file():
-            raise restore.WorkdirError(f"{step_dir}: the PRM was initialised from {model_cfg['hf_dir']}, whose "
-                                       "config.json (the architecture) is not there; use the workdir's hf_export/")
-        model_config = hf_io.read_config(model_cfg["hf_dir"], **runtime)
-    else:
-        vocab = restore.stored_param_shapes(step_dir).get("backbone/embed_tokens", (None,))[0]
-        model_config = model_preset(model_cfg["preset"], vocab_size=vocab, **runtime)
-    graphdef, abstract = rules_lib.abstract_state(
-        lambda: ClausePRM(model_config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules)
-    return nnx.merge(graphdef, restore.restore_params(step_dir, abstract))
 
 
 def load_hf_prm(hf_dir: str | pathlib.Path, mesh, rules, *, dtype: str = "float32") -> ClausePRM:
