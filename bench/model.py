@@ -46,7 +46,7 @@ from bench._common import start_load_check  # noqa: E402
 from caper_jax.models import Qwen35Config, from_hf  # noqa: E402
 from caper_jax.models.sampler import SamplingConfig, generate  # noqa: E402
 from caper_jax.parallel.dry_run import jaxpr_matmul_flops  # noqa: E402
-from caper_jax.sft.trainer import sequence_logprobs  # noqa: E402
+from caper_jax.policy.logprobs import sequence_logprobs  # noqa: E402
 
 BENCH_CONFIG = dict(
     vocab_size=32_000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
@@ -111,7 +111,7 @@ def make_train_step(jax_model, loss: str = "logits", chunk_size: int = 128) -> t
 
     ``loss="logits"``: the [B, T, V] logits, then cross-entropy on ``logits[:, :-1]`` (what
     transformers' ``labels=`` loss does). ``loss="chunked"``: the path the SFT and PRM trainers take
-    (``caper_jax.sft.trainer.sequence_logprobs``): the head on the first T-1 hidden states only, a
+    (``caper_jax.policy.logprobs.sequence_logprobs``): the head on the first T-1 hidden states only, a
     ``chunk_size``-position chunk at a time, each chunk's logits recomputed in the backward instead
     of kept. The same function: both losses agree to fp32 rounding (main prints the difference).
     """
@@ -220,7 +220,7 @@ def main() -> None:
     print(f"train roofline: {train['matmul_flops'] / 1e9:.1f} GFLOP matmul -> floor {floor_s:.3f} s at "
           f"{peak:.0f} GFLOP/s; jax at {mark(format(floor_s / train['jax_s'], '.0%'))} of it, "
           f"torch at {mark(format(floor_s / train['torch_s'], '.0%'))}")
-    print(f"train 4x512 fwd+bwd, the trainers' chunked loss (sft.trainer.sequence_logprobs): jax "
+    print(f"train 4x512 fwd+bwd, the trainers' chunked loss (policy.logprobs.sequence_logprobs): jax "
           f"{chunked['jax_s']:.3f} s, torch {chunked['torch_s']:.3f} s, ratio jax/torch "
           f"{mark(format(chunked['jax_s'] / chunked['torch_s'], '.2f'))}; jax at "
           f"{mark(format(floor_s / chunked['jax_s'], '.0%'))} of the roofline (the full-logits step's "

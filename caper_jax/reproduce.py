@@ -202,6 +202,7 @@ def sample_train_questions(config: ConfigDict, data_dir: pathlib.Path, policy_di
     from caper_jax.sql.contract import policy_prompt
     from caper_jax.eval import policy as policy_lib
     from caper_jax.parallel import mesh as mesh_lib
+    from caper_jax.policy import sampling
     from caper_jax.sql.execution import Executors
 
     e = config.eval
@@ -215,10 +216,10 @@ def sample_train_questions(config: ConfigDict, data_dir: pathlib.Path, policy_di
     prompts = [policy_prompt(ex.question, ex.schema, ex.evidence) for ex in examples]
     s = e.sampling
     with jax.set_mesh(mesh):
-        _, samples = policy_lib.decode(policy, prompts, k=s.k, temperature=s.temperature, top_p=s.top_p,
-                                       top_k=s.top_k, max_prompt_len=s.max_prompt_len,
-                                       max_new_tokens=s.max_new_tokens, batch_size=s.batch_size,
-                                       seed=config.seed, greedy=False)
+        _, samples = sampling.decode(policy.model, policy.tokenizer, prompts, stop_tokens=(policy.stop_token,),
+                                     k=s.k, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                     max_prompt_len=s.max_prompt_len, max_new_tokens=s.max_new_tokens,
+                                     batch_size=s.batch_size, seed=config.seed, greedy=False)
     records = [{"db_id": ex.db_id, "question": ex.question, "gold": ex.sql, "pred": sql}
                for ex, group in zip(examples, samples) for sql in unique(group)]
     # The whole groups of k (repeats included) are the pool the reranker is picked on: a vote needs them.

@@ -51,7 +51,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.model.dtype = "bfloat16" if big else "float32"
     c.model.param_dtype = "float32"
     c.model.remat = "full" if big else "none"
-    c.chunk_size = 128                        # sequence positions per log-prob chunk (rl/logprobs.py)
+    c.chunk_size = 128                        # sequence positions per log-prob chunk (policy/logprobs.py)
 
     c.optim = ConfigDict()
     c.optim.lr = 1e-5 if big else 2e-3

@@ -5,8 +5,8 @@ the policy (``caper_jax.prm.localization.clause_mean_logprobs``): the clause it 
 the one a confidence-based localiser blames. The sequence is the one the SFT trainer trains on
 (``caper_jax.sft.data.encode_examples``): ``policy_prompt`` ++ SQL ++ END_OF_SQL, tokenised as two
 parts, so the log-probs are exactly those of the policy's own training objective; the stop token
-counts for the last clause. Log-probs come from ``caper_jax.sft.trainer.sequence_logprobs``
-(``caper_jax.rl.logprobs.token_logprobs``: the vocabulary logits are never materialised whole).
+counts for the last clause. Log-probs come from ``caper_jax.policy.logprobs.sequence_logprobs``
+(chunked ``token_logprobs``: the vocabulary logits are never materialised whole).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def clause_logprobs(policy, rows: Sequence[Mapping[str, Any]], *, max_len: int =
     log-prob of each clause of ``split_clauses(sql)``; None for SQL that does not parse, or whose
     SQL + stop token alone exceeds ``max_len``. The prompt is left-truncated as in SFT."""
     from caper_jax.sql.contract import policy_prompt
-    from caper_jax.sft.trainer import sequence_logprobs
+    from caper_jax.policy.logprobs import sequence_logprobs
 
     tokenizer = policy.tokenizer
     items: list[tuple[int, np.ndarray, int, list[int], list[int]]] = []  # row, ids, n_prompt, starts, clauses

@@ -4,8 +4,8 @@
 
 For every example of a split (database present, gold executes):
 
-* **greedy**: one greedy decode (``caper_jax.rl.rollout.greedy_predictions``);
-* **k samples**: ``caper_jax.models.sampler`` at ``sampling.temperature`` / ``top_p`` / ``top_k``,
+* **greedy**: one greedy decode (``caper_jax.policy.sampling.decode``, the trainers' own eval path);
+* **k samples**: the same ``decode`` at ``sampling.temperature`` / ``top_p`` / ``top_k``,
   each prompt repeated k times in the batch (the sampler's per-row keys make the samples of a row
   independent of the rest of the batch);
 * **MV@k**: majority vote by execution result (``caper_jax.evaluate_ex.majority_vote``: equal results
@@ -21,8 +21,8 @@ For every example of a split (database present, gold executes):
 
 EX follows ``evaluate ex``: Spider semantics (ordered iff the gold has ORDER BY), the official
 evaluator's default (``spider_official``: DISTINCT removed first) or BIRD's; errors and timeouts are wrong. The scoring step (``score_examples``) is pure host code over strings, so
-it is tested with hand-written predictions; decoding (``decode``) is the only device work besides
-the PRM forward.
+it is tested with hand-written predictions; decoding (``caper_jax.policy.sampling.decode``) is the
+only device work besides the PRM forward.
 """
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from caper_jax.eval import restore
 from caper_jax.evaluate_ex import majority_vote
+from caper_jax.policy import sampling as sampling_lib
 from caper_jax.sft.data import examples_from_split
 from caper_jax.sql.execution import Executors, order_matters, results_equal
 from caper_jax.sql.semantics import comparison, executed_sql
@@ -110,44 +110,6 @@ def load_policy(path: str | pathlib.Path, mesh, rules, *, dtype: str | None = No
     model = nnx.merge(graphdef, restore.restore_params(step_dir, abstract))
     tokenizer = restore.workdir_tokenizer(config, ckpt_dir.parent)
     return Policy(model, tokenizer, stop_token_id(tokenizer), config, str(step_dir))
-
-
-# -- decoding
-
-
-def decode(policy: Policy, prompts: Sequence[str], *, k: int, temperature: float, top_p: float, top_k: int,
-           max_prompt_len: int, max_new_tokens: int, batch_size: int, seed: int, greedy: bool = True
-           ) -> tuple[list[str], list[list[str]]]:
-    """(greedy SQL per prompt, k sampled SQL per prompt); ``greedy=False`` skips the greedy decode and
-    returns ``[]`` for it. Batches have a fixed shape (one compile)."""
-    from caper_jax.models.sampler import SamplingConfig
-    from caper_jax.rl import rollout
-    from caper_jax.sft.data import prompt_batch
-
-    stop = (policy.stop_token,)
-    greedy_sql = rollout.greedy_predictions(
-        policy.model, policy.tokenizer, prompts, max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
-        stop_tokens=stop, batch_size=batch_size) if greedy else []
-    if k == 0:
-        return greedy_sql, [[] for _ in prompts]
-    pad = int(getattr(policy.tokenizer, "pad_token_id", None) or 0)
-    config = SamplingConfig(max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            stop_tokens=stop, pad_id=pad)
-    flat = [p for p in prompts for _ in range(k)]
-    texts: list[str] = []
-    key = jax.random.key(seed)
-    for batch_index, start in enumerate(range(0, len(flat), batch_size)):
-        chunk = flat[start:start + batch_size]
-        real = len(chunk)
-        chunk += [chunk[-1]] * (batch_size - real)
-        ids, mask = prompt_batch(chunk, policy.tokenizer, max_prompt_len, multiple=max_prompt_len)
-        out = rollout.sample(policy.model, jnp.asarray(ids), jnp.asarray(mask),
-                             jax.random.fold_in(key, batch_index), config)
-        tokens, lengths = np.asarray(jax.device_get(out.tokens)), np.asarray(jax.device_get(out.lengths))
-        for b in range(real):
-            ids_b = rollout.completion_tokens(tokens[b], lengths[b], stop)
-            texts.append(rollout.decode_with_offsets(policy.tokenizer, ids_b)[0])
-    return greedy_sql, [texts[i * k:(i + 1) * k] for i in range(len(prompts))]
 
 
 # -- scoring (host side)
@@ -285,9 +247,10 @@ def run(config, workdir: str | pathlib.Path) -> dict:
         prompts = [policy_prompt(ex.question, ex.schema, ex.evidence) for ex in examples]
         log.info("policy %s: decoding %d prompts (greedy + %d samples each)", policy.source, len(prompts), s.k)
         with jax.set_mesh(mesh):
-            greedy, samples = decode(policy, prompts, k=s.k, temperature=s.temperature, top_p=s.top_p,
-                                     top_k=s.top_k, max_prompt_len=s.max_prompt_len,
-                                     max_new_tokens=s.max_new_tokens, batch_size=s.batch_size, seed=config.seed)
+            greedy, samples = sampling_lib.decode(
+                policy.model, policy.tokenizer, prompts, stop_tokens=(policy.stop_token,), k=s.k,
+                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_prompt_len=s.max_prompt_len,
+                max_new_tokens=s.max_new_tokens, batch_size=s.batch_size, seed=config.seed)
         scorer = None
         if config.prm.path:
             scorer = load_scorer(config.prm.path, mesh=mesh, rules=rules, batch_size=config.prm.batch_size,

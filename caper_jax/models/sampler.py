@@ -18,7 +18,7 @@ PRNG contract (fixed, so samples are reproducible and independent of batch compo
 Filtering order: temperature, then top-k, then top-p (nucleus, on the top-k survivors), then a
 categorical draw. ``log_probs`` are the log-probabilities of the sampled tokens under the *tempered,
 unfiltered* model distribution ``log_softmax(logits / T)`` (``T = 1`` for greedy) — the quantity
-``caper_jax.rl.logprobs.token_logprobs(..., temperature=T)`` recomputes, so GRPO's importance ratio
+``caper_jax.policy.logprobs.token_logprobs(..., temperature=T)`` recomputes, so GRPO's importance ratio
 starts at exactly 1 for on-policy samples. Truncation by top-k/top-p is not part of it, as is usual
 in GRPO/PPO implementations (the ratio would otherwise be undefined for tokens outside the nucleus).
 """

@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 
 from caper_jax.prm.loss import LmAuxConfig, PairLossConfig, lm_nll, pairwise_loss, sql_target_mask
-from caper_jax.rl.logprobs import token_logprobs
+from caper_jax.policy.logprobs import token_logprobs
 from caper_jax.utils.optim import TrainState, guarded_update
 
 

@@ -1,9 +1,9 @@
-"""GRPO core: reward layouts, clause-level advantages, the clipped-surrogate loss, chunked log-probs.
+"""GRPO core: reward layouts, clause-level advantages, the clipped-surrogate loss (log-probs:
+``caper_jax.policy.logprobs``).
 
 Pure functions on padded arrays (docs/grpo.md); the training loop wires them to the sampler and PRM.
 """
 from caper_jax.rl.advantages import clause_advantages, discounted_return_to_go, normalise_group_rewards
-from caper_jax.rl.logprobs import token_logprobs
 from caper_jax.rl.losses import AGGREGATIONS, aggregate, grpo_loss
 from caper_jax.rl.rewards import (VARIANTS, RewardVariant, layout_rewards, pad_clause_ends, register_variant,
                                   reward_variant, spans_to_token_ends)
@@ -22,5 +22,4 @@ __all__ = [
     "register_variant",
     "reward_variant",
     "spans_to_token_ends",
-    "token_logprobs",
 ]

@@ -38,14 +38,16 @@ from caper_jax.models.sampler import SamplingConfig
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
+from caper_jax.policy import rollout as rollout_lib
+from caper_jax.policy import sampling as sampling_lib
+from caper_jax.policy.build import build_policy
+from caper_jax.policy.logprobs import completion_logprobs, jit_completion_logprobs
 from caper_jax.utils.optim import TrainState, guarded_update, init_state, learning_rate, make_optimizer
-from caper_jax.rl import rollout as rollout_lib
 from caper_jax.rl.advantages import clause_advantages
 from caper_jax.rl.losses import AGGREGATIONS, grpo_loss
 from caper_jax.rl.rewards import layout_rewards, reward_variant
 from caper_jax.sft import data as data_lib
-from caper_jax.sft.trainer import (build_policy, cached_program, create_state, finish_policy_run, frozen,
-                                   sequence_logprobs)
+from caper_jax.sft.trainer import cached_program, create_state, finish_policy_run, frozen
 from caper_jax.utils.errors import NonFiniteLossError
 from caper_jax.utils.monitoring import MetricWriter, Progress
 
@@ -146,14 +148,6 @@ def load_prm(config, vocab_size: int, mesh, rules):
 # -- jitted pieces
 
 
-def completion_logprobs(params, input_ids, attention_mask, *, graphdef, completion_len: int,
-                        temperature: float, chunk_size: int, return_entropy: bool = False):
-    """Log-probs ``[B, N]`` of the last ``completion_len`` tokens under the (tempered) policy."""
-    start = input_ids.shape[1] - completion_len - 1
-    return sequence_logprobs(nnx.merge(graphdef, params), input_ids, attention_mask, start=start,
-                             temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy)
-
-
 def update_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientTransformation, beta: float,
                 agg: str, eps_low: float, eps_high: float, temperature: float, chunk_size: int
                 ) -> tuple[TrainState, dict]:
@@ -185,14 +179,6 @@ def jit_update(graphdef, tx, config, state_sharding=None):
     key = ("grpo", graphdef, frozen(config.optim), frozen(config.rl), float(config.sampling.temperature),
            int(config.chunk_size), shardings)
     return cached_program(key, build)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "completion_len", "temperature", "chunk_size"))
-def jit_completion_logprobs(params, input_ids, attention_mask, *, graphdef, completion_len: int,
-                            temperature: float, chunk_size: int):
-    """Jitted ``completion_logprobs`` (reference policy), compiled once per process and shape."""
-    return completion_logprobs(params, input_ids, attention_mask, graphdef=graphdef, completion_len=completion_len,
-                               temperature=temperature, chunk_size=chunk_size)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -373,8 +359,8 @@ def run(config, workdir: str) -> dict:
             prompt_ids, prompt_mask = data_lib.prompt_batch([prompts[i] for i in indices], tokenizer,
                                                             config.sampling.max_prompt_len,
                                                             multiple=config.sampling.prompt_bucket, pad_id=pad_id)
-            output = rollout_lib.sample(nnx.merge(graphdef, state.params), jnp.asarray(prompt_ids),
-                                        jnp.asarray(prompt_mask), jax.random.fold_in(base_key, step), sampling)
+            output = sampling_lib.sample(nnx.merge(graphdef, state.params), jnp.asarray(prompt_ids),
+                                         jnp.asarray(prompt_mask), jax.random.fold_in(base_key, step), sampling)
             jax.block_until_ready(output)
             t_sampled = time.perf_counter()
             rollout = rollout_lib.assemble_rollout(

@@ -3,7 +3,7 @@
 Same shape as the Clause-PRM loop (``caper_jax.prm.trainer``): world -> sharded model and optimizer
 state -> Grain pipeline -> resume -> jitted steps with donated state -> checkpoints -> evaluation ->
 export. The loss is the mean negative log-likelihood of the SQL and stop tokens only (prompt tokens
-are context); log-probs come from ``caper_jax.rl.token_logprobs``, which never materialises the
+are context); log-probs come from ``caper_jax.policy.logprobs.token_logprobs``, which never materialises the
 ``[B, T, V]`` logits (248k vocabulary at scale). A step whose loss or gradient is not finite is
 refused inside the jitted function, as in ``caper_jax.prm.step``. At the end: greedy-decode EX on a
 held-out slice through the sampler and the sandboxed Executor (``results.json``), an HF export.
@@ -28,51 +28,14 @@ from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
+from caper_jax.policy.build import build_policy
+from caper_jax.policy.logprobs import lm_head, token_logprobs
 from caper_jax.utils.optim import TrainState, guarded_update, init_state, learning_rate, make_optimizer
-from caper_jax.rl.logprobs import token_logprobs
 from caper_jax.sft import data as data_lib
 from caper_jax.utils.errors import NonFiniteLossError
 from caper_jax.utils.monitoring import MetricWriter, Progress, plot_curves, read_metrics
 
 log = logging.getLogger("caper_jax")
-
-
-# -- model
-
-
-def lm_head(model: Qwen35ForCausalLM) -> tuple[jax.Array, bool]:
-    """(output projection, tied): the ``[V, H]`` embedding when tied, else the ``[H, V]`` lm_head."""
-    if model.config.tie_word_embeddings:
-        return model.embed_tokens[...], True
-    return model.lm_head[...], False
-
-
-def sequence_logprobs(model: Qwen35ForCausalLM, input_ids: jax.Array, attention_mask: jax.Array, *,
-                      start: int = 0, temperature: float = 1.0, chunk_size: int = 128,
-                      return_entropy: bool = False):
-    """log p(ids[t] | ids[:t]) for t in ``[start + 1, T)`` -> ``[B, T - start - 1]`` (and entropy)."""
-    hidden = model.hidden_states(input_ids, attention_mask)[:, start:-1]
-    head, tied = lm_head(model)
-    return token_logprobs(hidden, head, input_ids[:, start + 1:], chunk_size, tied=tied,
-                          temperature=temperature, return_entropy=return_entropy)
-
-
-def build_policy(model_cfg, vocab_size: int, seed: int, mesh, rules) -> Qwen35ForCausalLM:
-    """A policy created in its sharded layout: HF weights when ``model_cfg.hf_dir``, else a random preset."""
-    from caper_jax.models.presets import model_preset
-
-    runtime = dict(dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype, remat=model_cfg.remat)
-    if model_cfg.hf_dir:
-        from caper_jax.models import from_hf
-
-        runtime.pop("dtype")
-        model, _ = from_hf(model_cfg.hf_dir, dtype=model_cfg.dtype, mesh=mesh, rules=rules, **runtime)
-        if model.config.vocab_size < vocab_size:
-            raise ValueError(f"{model_cfg.hf_dir}: vocab {model.config.vocab_size} < tokenizer {vocab_size}")
-        return model
-    config = model_preset(model_cfg.preset, vocab_size=vocab_size, **runtime)
-    return rules_lib.create_sharded(
-        lambda: Qwen35ForCausalLM(config, rngs=nnx.Rngs(seed), mesh=mesh, rules=rules), mesh, rules)
 
 
 # -- step
@@ -179,7 +142,7 @@ def _holdout(config, world) -> list[data_lib.SftExample]:
 def run(config, workdir: str) -> dict:
     started = time.perf_counter()
     from caper_jax.data.world import prepare_world
-    from caper_jax.rl.rollout import greedy_ex
+    from caper_jax.policy.rollout import greedy_ex
     from caper_jax.sql.execution import Executors
 
     multihost.initialize()

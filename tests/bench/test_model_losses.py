@@ -1,5 +1,5 @@
 """bench/model.py's two train-step losses compute the same function: full logits then cross-entropy
-(transformers' labels= loss) and the trainers' chunked log-probs (sft.trainer.sequence_logprobs)."""
+(transformers' labels= loss) and the trainers' chunked log-probs (policy.logprobs.sequence_logprobs)."""
 import jax
 import numpy as np
 import pytest

@@ -146,7 +146,8 @@ def test_pipeline_learns_a_two_clause_bandit(variant):
     under the uniform start). The PRM scores token 0's prefix by whether token 0 is right. Whatever the
     variant, GRPO steps must drive the success rate from 1/16 to near 1.
     """
-    from caper_jax.rl import clause_advantages, layout_rewards, token_logprobs
+    from caper_jax.policy.logprobs import token_logprobs
+    from caper_jax.rl import clause_advantages, layout_rewards
 
     groups, group_size, vocab = 16, 8, 4
     batch = groups * group_size

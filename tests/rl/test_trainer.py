@@ -60,6 +60,7 @@ def update_setup(world):
     """The e2e runs' policy, optimizer, mesh and shapes: the update program compiled here is the one the
     sparse/token runs below reuse (same process-wide program cache key)."""
     from caper_jax.parallel import mesh as mesh_lib
+    from caper_jax.policy.logprobs import jit_completion_logprobs
     from caper_jax.rl.trainer import load_policy
     from caper_jax.sft.trainer import create_state
 
@@ -74,7 +75,7 @@ def update_setup(world):
     new = config.sampling.max_new_tokens
     ids = jnp.asarray(rng.integers(4, len(tokenizer), (2, config.sampling.max_prompt_len + new)), jnp.int32)
     attention = jnp.ones_like(ids)
-    logprobs = functools.partial(T.jit_completion_logprobs, input_ids=ids, attention_mask=attention,
+    logprobs = functools.partial(jit_completion_logprobs, input_ids=ids, attention_mask=attention,
                                  graphdef=graphdef, completion_len=new, temperature=1.0, chunk_size=config.chunk_size)
     fresh_state = jax.jit(lambda p: init_state(p, tx), out_shardings=shardings)  # the e2e runs' layout
     return dict(params=state.params, fresh_state=fresh_state, ids=ids, attention=attention, new=new,

@@ -1,4 +1,4 @@
-"""Helpers shared by the SFT and GRPO trainer tests (tests/sft, tests/rl/test_rollout.py, test_trainer.py)."""
+"""Helpers shared by the SFT and GRPO trainer tests (tests/sft, tests/policy/test_rollout.py, tests/rl/test_trainer.py)."""
 from __future__ import annotations
 
 import contextlib

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from caper_jax.models.sampler import SampleOutput, SamplingConfig
+from caper_jax.policy import rollout as R
+from caper_jax.policy.sampling import decode_with_offsets, sample
 from caper_jax.rl import layout_rewards
-from caper_jax.rl import rollout as R
 from caper_jax.sql.clauses import split_clauses
 from caper_jax.sql.execution import Executors
 from tests.sft import hand_tokenizer, random_policy
@@ -42,7 +43,7 @@ def executors(tmp_path):
 
 
 def check_ends_cover_clauses(tok, sql: str, ids: list[int]) -> None:
-    text, offsets = R.decode_with_offsets(tok, ids)
+    text, offsets = decode_with_offsets(tok, ids)
     assert text == sql
     ends, ok = R.clause_token_ends(text, offsets)
     units = split_clauses(sql)
@@ -59,7 +60,7 @@ def test_clause_ends_map_back_to_clause_text(tok, sql):
     ids = tok(sql, add_special_tokens=False)["input_ids"]
     check_ends_cover_clauses(tok, sql, ids)
     if sql == GOLD:  # the SELECT clause ends inside the token "e F"
-        end = R.clause_token_ends(*R.decode_with_offsets(tok, ids))[0][0]
+        end = R.clause_token_ends(*decode_with_offsets(tok, ids))[0][0]
         assert tok.convert_ids_to_tokens(ids[end]) == "e F"
 
 
@@ -149,7 +150,7 @@ def test_random_policy_rollout(tok, executors):
     """Sampled garbage never crashes the host path, and the sampler's log-probs are the training ones."""
     from flax import nnx
 
-    from caper_jax.rl.trainer import completion_logprobs
+    from caper_jax.policy.logprobs import completion_logprobs
 
     policy = random_policy(len(tok), scale=0.3)
     stop = tok.eos_token_id
@@ -158,7 +159,7 @@ def test_random_policy_rollout(tok, executors):
 
     prompt_ids, prompt_mask = prompt_batch(["<|im_start|>user\nname of id 1?<|im_end|>\n"] * group, tok, 32, 8)
     config = SamplingConfig(12, temperature=1.0, stop_tokens=(stop,), pad_id=tok.pad_token_id)
-    out = R.sample(policy, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), jax.random.key(1), config)
+    out = sample(policy, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), jax.random.key(1), config)
     gold = executors.execute("d", GOLD)
     r = R.assemble_rollout(prompt_ids, prompt_mask, out, tok, executors, ["d"] * group, [GOLD] * group,
                            [gold] * group, (stop,), REWARD)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from caper_jax.rl import token_logprobs
+from caper_jax.policy.logprobs import token_logprobs
 
 
 def numpy_logprobs(hidden, head, targets, temperature=1.0):
@@ -111,7 +111,7 @@ def _all_eqns(jaxpr):
 SHARDED_CHECK = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from caper_jax.rl import token_logprobs
+from caper_jax.policy.logprobs import token_logprobs
 mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "tensor"))
 k = jax.random.split(jax.random.key(0), 3)
 h = jax.random.normal(k[0], (4, 40, 16)); w = jax.random.normal(k[1], (16, 512))

@@ -9,6 +9,9 @@ instead of saving them. Peak extra memory is then a few ``B · chunk_size · V``
 Chunks run along the sequence axis, not the flattened ``B·T`` axis, so a batch sharded over the
 ``data`` axis stays sharded inside each chunk. The head matmul accumulates in fp32
 (``preferred_element_type``) whatever the parameter dtype; the log-sum-exp is fp32.
+
+``sequence_logprobs`` (SFT's loss, the confidence baseline) and ``completion_logprobs`` (GRPO's update and
+reference) run the policy's forward and feed its final hidden states and head to ``token_logprobs``.
 """
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from caper_jax.models import Qwen35ForCausalLM
 
 Array = jax.Array
 
@@ -93,3 +99,36 @@ def token_logprobs(
     if return_entropy:
         return unchunk(logp), unchunk(entropy)
     return unchunk(logp)
+
+
+def lm_head(model: Qwen35ForCausalLM) -> tuple[jax.Array, bool]:
+    """(output projection, tied): the ``[V, H]`` embedding when tied, else the ``[H, V]`` lm_head."""
+    if model.config.tie_word_embeddings:
+        return model.embed_tokens[...], True
+    return model.lm_head[...], False
+
+
+def sequence_logprobs(model: Qwen35ForCausalLM, input_ids: jax.Array, attention_mask: jax.Array, *,
+                      start: int = 0, temperature: float = 1.0, chunk_size: int = 128,
+                      return_entropy: bool = False):
+    """log p(ids[t] | ids[:t]) for t in ``[start + 1, T)`` -> ``[B, T - start - 1]`` (and entropy)."""
+    hidden = model.hidden_states(input_ids, attention_mask)[:, start:-1]
+    head, tied = lm_head(model)
+    return token_logprobs(hidden, head, input_ids[:, start + 1:], chunk_size, tied=tied,
+                          temperature=temperature, return_entropy=return_entropy)
+
+
+def completion_logprobs(params, input_ids, attention_mask, *, graphdef, completion_len: int,
+                        temperature: float, chunk_size: int, return_entropy: bool = False):
+    """Log-probs ``[B, N]`` of the last ``completion_len`` tokens under the (tempered) policy."""
+    start = input_ids.shape[1] - completion_len - 1
+    return sequence_logprobs(nnx.merge(graphdef, params), input_ids, attention_mask, start=start,
+                             temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "completion_len", "temperature", "chunk_size"))
+def jit_completion_logprobs(params, input_ids, attention_mask, *, graphdef, completion_len: int,
+                            temperature: float, chunk_size: int):
+    """Jitted ``completion_logprobs`` (reference policy), compiled once per process and shape."""
+    return completion_logprobs(params, input_ids, attention_mask, graphdef=graphdef, completion_len=completion_len,
+                               temperature=temperature, chunk_size=chunk_size)

@@ -1,16 +1,16 @@
-"""Rollouts: sample completions, turn them into text, clause token ends and execution rewards.
+"""Rollouts: sampled completions turned into text, clause token ends and execution rewards; greedy EX.
 
 Device work is the sampler (one jitted prefill + one jitted decode loop, ``caper_jax.models.sampler``,
-reached only through ``sample``) and, in the trainer, one batched PRM forward. Everything here after
-sampling is host-side Python on small arrays:
+reached only through ``caper_jax.policy.sampling.sample``) and, in the trainer, one batched PRM
+forward. Everything here after sampling is host-side Python on small arrays:
 
-* **Text and offsets of the SAMPLED tokens.** The completion is decoded once. Clause ends must index
-  the tokens the policy actually emitted (their log-probs are what GRPO trains), so character offsets
-  are those of the sampled ids: when re-tokenising the text gives back exactly those ids (the usual
-  case), the tokenizer's own ``offset_mapping`` is used; otherwise (a non-canonical token sequence)
-  each token's end is the length of the decoded prefix up to it, and a token that completes no
-  character yet (part of a multi-byte character) gets an empty span, so a clause ending in that
-  character maps to the token that completes it.
+* **Text and offsets of the SAMPLED tokens** (``sampling.decode_with_offsets``). The completion is
+  decoded once. Clause ends must index the tokens the policy actually emitted (their log-probs are
+  what GRPO trains), so character offsets are those of the sampled ids: when re-tokenising the text
+  gives back exactly those ids (the usual case), the tokenizer's own ``offset_mapping`` is used;
+  otherwise (a non-canonical token sequence) each token's end is the length of the decoded prefix up
+  to it, and a token that completes no character yet (part of a multi-byte character) gets an empty
+  span, so a clause ending in that character maps to the token that completes it.
 * **Clause ends**: ``split_clauses`` character spans -> ``spans_to_token_ends`` over those offsets, in
   completion coordinates (token 0 = first generated token).
 * **Execution reward**: the completion runs sandboxed (read-only, authoriser, timeout, row cap) and is
@@ -23,12 +23,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from caper_jax.models.sampler import SampleOutput, SamplingConfig, generate
+from caper_jax.models.sampler import SampleOutput
 from caper_jax.parallel.multihost import fetch
+from caper_jax.policy.sampling import completion_tokens, decode, decode_with_offsets
 from caper_jax.rl.rewards import pad_clause_ends, spans_to_token_ends
 from caper_jax.sql.clauses import SqlParseError, split_clauses
 from caper_jax.sql.execution import ExecResult, Executors, order_matters, results_equal
@@ -50,40 +49,6 @@ class ScoredCompletion:
     executed: bool            # SQLite ran it without error
     correct: bool             # result equals the gold result
     reward: float             # execution reward (RewardConfig)
-
-
-def sample(model, prompt_ids: jax.Array, prompt_mask: jax.Array, key: jax.Array,
-           config: SamplingConfig) -> SampleOutput:
-    """The one entry point to the sampler (tokens, lengths incl. the stop token, tempered log-probs)."""
-    return generate(model, prompt_ids, prompt_mask, key, config)
-
-
-def completion_tokens(tokens: np.ndarray, length: int, stop_tokens: Sequence[int]) -> list[int]:
-    """The generated ids that form the SQL: up to ``length``, without a final stop token."""
-    ids = [int(t) for t in tokens[:length]]
-    if ids and ids[-1] in stop_tokens:
-        ids.pop()
-    return ids
-
-
-def decode_with_offsets(tokenizer, ids: Sequence[int]) -> tuple[str, np.ndarray]:
-    """Decoded text of ``ids`` and ``[n, 2]`` character offsets of each of THESE tokens in it."""
-    ids = [int(i) for i in ids]
-    text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    if not ids:
-        return text, np.zeros((0, 2), np.int64)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    if list(encoded["input_ids"]) == ids:
-        return text, np.asarray(encoded["offset_mapping"], np.int64).reshape(-1, 2)
-    prefixes = tokenizer.batch_decode([ids[: i + 1] for i in range(len(ids))], skip_special_tokens=False,
-                                      clean_up_tokenization_spaces=False)
-    ends, end = [], 0
-    for prefix in prefixes:
-        if text.startswith(prefix):  # else the prefix ends inside a multi-byte character
-            end = max(end, len(prefix))
-        ends.append(end)
-    starts = [0] + ends[:-1]
-    return text, np.stack([starts, ends], axis=1).astype(np.int64)
 
 
 def clause_token_ends(text: str, offsets: np.ndarray) -> tuple[np.ndarray, bool]:
@@ -181,27 +146,6 @@ def assemble_rollout(prompt_ids: np.ndarray, prompt_mask: np.ndarray, output: Sa
     )
 
 
-def greedy_predictions(model, tokenizer, prompts: Sequence[str], *, max_prompt_len: int, max_new_tokens: int,
-                       stop_tokens: Sequence[int], batch_size: int) -> list[str]:
-    """Greedy SQL for each prompt (batched, left-padded; the last batch is padded to ``batch_size`` so
-    every call reuses one compiled program)."""
-    from caper_jax.sft.data import prompt_batch
-
-    config = SamplingConfig(max_new_tokens, temperature=0.0, stop_tokens=tuple(stop_tokens),
-                            pad_id=int(getattr(tokenizer, "pad_token_id", None) or 0))
-    texts: list[str] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = list(prompts[start: start + batch_size])
-        real = len(chunk)
-        chunk += [chunk[-1]] * (batch_size - real)
-        ids, mask = prompt_batch(chunk, tokenizer, max_prompt_len, multiple=max_prompt_len)
-        out = sample(model, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0), config)
-        tokens, lengths = fetch(out.tokens), fetch(out.lengths)
-        for b in range(real):
-            texts.append(decode_with_offsets(tokenizer, completion_tokens(tokens[b], lengths[b], stop_tokens))[0])
-    return texts
-
-
 def greedy_ex(model, tokenizer, examples, executors: Executors, *, max_prompt_len: int, max_new_tokens: int,
               stop_tokens: Sequence[int], batch_size: int, semantics: str = "spider") -> tuple[dict, list[dict]]:
     """Execution accuracy of greedy decoding on ``examples`` (``SftExample``s); (summary, per-example rows).
@@ -218,8 +162,8 @@ def greedy_ex(model, tokenizer, examples, executors: Executors, *, max_prompt_le
         else:
             excluded += 1
     prompts = [policy_prompt(ex.question, ex.schema, ex.evidence) for ex, _ in usable]
-    preds = greedy_predictions(model, tokenizer, prompts, max_prompt_len=max_prompt_len,
-                               max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, batch_size=batch_size)
+    preds, _ = decode(model, tokenizer, prompts, stop_tokens=stop_tokens, max_prompt_len=max_prompt_len,
+                      max_new_tokens=max_new_tokens, batch_size=batch_size)
     reward = RewardConfig(semantics=semantics)
     rows = []
     for (ex, gold), pred in zip(usable, preds):

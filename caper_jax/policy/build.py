@@ -1,0 +1,25 @@
+"""A fresh policy for a trainer: HF weights or a random preset, created directly in its sharded layout."""
+from __future__ import annotations
+
+from flax import nnx
+
+from caper_jax.models import Qwen35ForCausalLM
+from caper_jax.parallel import rules as rules_lib
+
+
+def build_policy(model_cfg, vocab_size: int, seed: int, mesh, rules) -> Qwen35ForCausalLM:
+    """A policy created in its sharded layout: HF weights when ``model_cfg.hf_dir``, else a random preset."""
+    from caper_jax.models.presets import model_preset
+
+    runtime = dict(dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype, remat=model_cfg.remat)
+    if model_cfg.hf_dir:
+        from caper_jax.models import from_hf
+
+        runtime.pop("dtype")
+        model, _ = from_hf(model_cfg.hf_dir, dtype=model_cfg.dtype, mesh=mesh, rules=rules, **runtime)
+        if model.config.vocab_size < vocab_size:
+            raise ValueError(f"{model_cfg.hf_dir}: vocab {model.config.vocab_size} < tokenizer {vocab_size}")
+        return model
+    config = model_preset(model_cfg.preset, vocab_size=vocab_size, **runtime)
+    return rules_lib.create_sharded(
+        lambda: Qwen35ForCausalLM(config, rngs=nnx.Rngs(seed), mesh=mesh, rules=rules), mesh, rules)
