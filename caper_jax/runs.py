@@ -13,7 +13,8 @@ Runs written before the record existed still load: their architecture is re-deri
 reader did it before (``model.hf_dir`` / ``policy.hf_dir`` config.json, the parent SFT run of a GRPO
 run, else ``model.preset`` with the vocabulary read from the stored embedding), and their tokenizer
 is looked up in ``model.tokenizer_dir``, the demo world's ``tokenizer/``, ``model.hf_dir``,
-``hf_export/`` in that order.
+``hf_export/`` in that order — as is the tokenizer of a recorded run whose recorded directory is
+gone (a workdir copied to another machine with its demo world inside).
 
 ``load_run`` picks the step the way training resumes: the newest one whose integrity manifest
 verifies (``caper_jax.checkpoint.verify``; a damaged newer step is skipped with a warning), or
@@ -236,9 +237,10 @@ def read_run(path: str | pathlib.Path, *, step: int = 0, trainers: Sequence[str]
         model_config = _recorded_model(run_item["model"])
     except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(f"{step_dir}/{RUN_ITEM}: not a model config this code can build: {error}") from error
-    tokenizer = run_item.get("tokenizer")
-    return RunInfo(workdir, step_dir, int(step_dir.name), config, model_config,
-                   pathlib.Path(tokenizer) if tokenizer else None, recorded=True)
+    tokenizer = pathlib.Path(run_item["tokenizer"]) if run_item.get("tokenizer") else None
+    if tokenizer is None or not tokenizer.is_dir():   # a run copied away from its tokenizer: the old rule
+        tokenizer = _legacy_tokenizer_dir(config, workdir) or tokenizer
+    return RunInfo(workdir, step_dir, int(step_dir.name), config, model_config, tokenizer, recorded=True)
 
 
 # -- loading

@@ -11,11 +11,12 @@ import pytest
 
 from caper_jax import evaluate
 from caper_jax.eval import policy as policy_lib
-from caper_jax.evaluate_ex import evaluate_ex
+from caper_jax.eval.ex import evaluate_ex
 from caper_jax.prm import scoring
 from caper_jax.sft.data import SftExample
 from caper_jax.sql.execution import Executors
-from tests.helpers import REPO, build_policy_run, build_prm_run, session_root
+from caper_jax.utils.errors import CheckpointError
+from tests.helpers import REPO, build_policy_run, build_prm_run, run_command, session_root
 
 WRONG_ROWS = "SELECT 'no such answer', 12345"
 WRONG_ERROR = "SELECT * FROM no_such_table"
@@ -79,10 +80,10 @@ def runs(tmp_path_factory):
 def test_eval_config_end_to_end_agrees_with_evaluate_ex(runs, tmp_path, capsys):
     policy, prm = runs
     out = tmp_path / "eval"
-    code = evaluate.main([f"--config={REPO / 'configs/eval.py'}:k=2,n=3", f"--workdir={out}",
-                          f"--config.policy.workdir={policy}", f"--config.prm.path={prm}",
-                          "--config.prm.max_len=256", "--config.sampling.max_new_tokens=12",
-                          "--config.sampling.batch_size=4"])
+    code = run_command(evaluate, f"--config={REPO / 'configs/eval.py'}:k=2,n=3", f"--workdir={out}",
+                                 f"--config.policy.workdir={policy}", f"--config.prm.path={prm}",
+                                 "--config.prm.max_len=256", "--config.sampling.max_new_tokens=12",
+                                 "--config.sampling.batch_size=4")
     captured = capsys.readouterr()
     assert code == 0, captured.err
     printed = json.loads(captured.out.strip().splitlines()[-1])
@@ -126,8 +127,8 @@ def test_eval_config_end_to_end_agrees_with_evaluate_ex(runs, tmp_path, capsys):
 def test_bad_eval_config_is_one_clear_error(args, message, runs, tmp_path, capsys):
     policy, _ = runs
     out = tmp_path / "eval"
-    code = evaluate.main([f"--config={REPO / 'configs/eval.py'}", f"--workdir={out}",
-                          f"--config.policy.workdir={policy}", *args])
+    code = run_command(evaluate, f"--config={REPO / 'configs/eval.py'}", f"--workdir={out}",
+                                 f"--config.policy.workdir={policy}", *args)
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
     assert not out.exists()
@@ -153,5 +154,5 @@ def test_policy_loads_alike_from_workdir_and_hf_export(runs, tmp_path):
     assert [p for p, _ in ours] == [p for p, _ in theirs]
     for (path, a), (_, b) in zip(ours, theirs):
         np.testing.assert_array_equal(jax.device_get(a[...]), jax.device_get(b[...]), err_msg=str(path))
-    with pytest.raises(policy_lib.PolicyLoadError, match="not SFT/GRPO"):
+    with pytest.raises(CheckpointError, match="not SFT/GRPO"):
         policy_lib.load_policy(build_prm_run(pathlib.Path(runs[1]).parent), mesh, DEFAULT_RULES)

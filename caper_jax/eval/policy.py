@@ -8,7 +8,7 @@ For every example of a split (database present, gold executes):
 * **k samples**: the same ``decode`` at ``sampling.temperature`` / ``top_p`` / ``top_k``,
   each prompt repeated k times in the batch (the sampler's per-row keys make the samples of a row
   independent of the rest of the batch);
-* **MV@k**: majority vote by execution result (``caper_jax.evaluate_ex.majority_vote``: equal results
+* **MV@k**: majority vote by execution result (``caper_jax.eval.ex.majority_vote``: equal results
   share a vote, failures cast none, ties to the earliest);
 * **PRM best-of-k**: every sample is scored by the Clause-PRM in one forward
   (``caper_jax.prm.scoring``) and the sample with the best aggregate of its clause scores wins —
@@ -36,20 +36,15 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
-from caper_jax.eval import restore
-from caper_jax.evaluate_ex import majority_vote
+from caper_jax import runs
+from caper_jax.eval.ex import majority_vote
 from caper_jax.policy import sampling as sampling_lib
 from caper_jax.sft.data import examples_from_split
 from caper_jax.sql.execution import Executors, order_matters, results_equal
 from caper_jax.sql.semantics import comparison, executed_sql
 
 log = logging.getLogger("caper_jax")
-
-
-class PolicyLoadError(ValueError):
-    """The policy path is neither an SFT/GRPO workdir nor an HF Qwen3.5 directory."""
 
 
 @dataclasses.dataclass
@@ -64,26 +59,10 @@ class Policy:
 # -- loading
 
 
-def _architecture(config: dict, vocab: int | None, runtime: dict):
-    """The policy architecture a stored SFT/GRPO config describes (HF config.json, or a preset)."""
-    from caper_jax.models import hf_io
-    from caper_jax.models.presets import model_preset
-
-    hf_dir = config.get("model", {}).get("hf_dir") or config.get("policy", {}).get("hf_dir")
-    if hf_dir:
-        return hf_io.read_config(hf_dir, **runtime)
-    sft_workdir = config.get("policy", {}).get("sft_workdir")
-    if sft_workdir:  # GRPO started from an SFT run: that run's config names the architecture
-        parent = restore.stored_config(restore.latest_whole_step(restore.checkpoints_dir(sft_workdir)))
-        if parent.get("model", {}).get("hf_dir"):
-            return _architecture(parent, vocab, runtime)
-    return model_preset(config["model"]["preset"], vocab_size=vocab, **runtime)
-
-
 def load_policy(path: str | pathlib.Path, mesh, rules, *, dtype: str | None = None) -> Policy:
-    """A policy from an SFT/GRPO trainer workdir (params only, newest whole checkpoint) or an HF dir."""
-    from caper_jax.models import Qwen35ForCausalLM, from_hf
-    from caper_jax.parallel import rules as rules_lib
+    """A policy from an HF dir, or an SFT/GRPO workdir or converted HF model (``caper_jax.runs.load_run``:
+    params only, newest whole checkpoint)."""
+    from caper_jax.models import from_hf
     from caper_jax.sft.data import stop_token_id
 
     path = pathlib.Path(path)
@@ -95,21 +74,9 @@ def load_policy(path: str | pathlib.Path, mesh, rules, *, dtype: str | None = No
         model, _ = from_hf(path, dtype=dtype or "float32", mesh=mesh, rules=rules)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         return Policy(model, tokenizer, stop_token_id(tokenizer), None, str(path))
-    ckpt_dir = restore.checkpoints_dir(path)
-    step_dir = restore.latest_whole_step(ckpt_dir)
-    config = restore.stored_config(step_dir)
-    if config.get("trainer") not in ("sft", "grpo"):
-        raise PolicyLoadError(f"{step_dir} was written by the {config.get('trainer')!r} trainer, not SFT/GRPO")
-    model_cfg = config["model"]
-    runtime = dict(dtype=dtype or model_cfg.get("dtype", "float32"),
-                   param_dtype=model_cfg.get("param_dtype", "float32"), remat="none")
-    vocab = restore.stored_param_shapes(step_dir).get("embed_tokens", (None,))[0]
-    arch = _architecture(config, vocab, runtime)
-    graphdef, abstract = rules_lib.abstract_state(
-        lambda: Qwen35ForCausalLM(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules)
-    model = nnx.merge(graphdef, restore.restore_params(step_dir, abstract))
-    tokenizer = restore.workdir_tokenizer(config, ckpt_dir.parent)
-    return Policy(model, tokenizer, stop_token_id(tokenizer), config, str(step_dir))
+    run = runs.load_run(path, mesh=mesh, rules=rules, trainers=runs.POLICY_TRAINERS, dtype=dtype)
+    tokenizer = run.tokenizer()
+    return Policy(run.model, tokenizer, stop_token_id(tokenizer), run.config, str(run.step_dir))
 
 
 # -- scoring (host side)
@@ -278,7 +245,7 @@ def _policy_data_dir(train: dict, policy_path: str) -> pathlib.Path:
     if data.get("dir"):
         return pathlib.Path(data["dir"])
     if data.get("kind") == "demo":
-        return restore.checkpoints_dir(policy_path).parent / "demo_world"
+        return runs.checkpoints_dir(policy_path).parent / "demo_world"
     raise ValueError("set data.dir: the policy's training config names no dataset directory")
 
 
