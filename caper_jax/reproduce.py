@@ -107,7 +107,7 @@ def run_name(variant: str, seed: int) -> str:
 def validate(config: ConfigDict) -> None:
     if config.get("pipeline", "miniature") == "spider_verifier":
         return validate_verifier(config)
-    from caper_jax.evaluate import validate_eval_config
+    from caper_jax.eval.config import validate_eval_config
     from caper_jax.prm import trainer as prm_trainer
     from caper_jax.rl import trainer as rl_trainer
     from caper_jax.sft import trainer as sft_trainer
@@ -446,7 +446,7 @@ def run(config: ConfigDict, workdir: str) -> dict:
 
 def collect(config: ConfigDict, out: pathlib.Path) -> dict:
     """results.json's content from the stages' own results files."""
-    from caper_jax.prm.localization import SEES_GOLD, best_fair_baseline
+    from caper_jax.eval.localization import SEES_GOLD, best_fair_baseline
 
     prm = json.loads((out / "prm" / "results.json").read_text())
     # Empty when no held-out sample both failed and parsed (a policy that writes only garbage).
@@ -884,8 +884,8 @@ def run_verifier(config: ConfigDict, workdir: str) -> dict:
 
 def verify_systems(config: ConfigDict, view: pathlib.Path, candidates: list[dict], out: pathlib.Path) -> dict:
     """EX of each system alone (``evaluate ex``) and of the pool: first, MV@n, every PRM reranker, oracle@n."""
-    from caper_jax import verify
-    from caper_jax.evaluate_ex import evaluate_ex
+    from caper_jax.eval import verify
+    from caper_jax.eval.ex import evaluate_ex
     from caper_jax.parallel import mesh as mesh_lib
     from caper_jax.prm.scoring import load_scorer
 
@@ -908,7 +908,7 @@ def verify_systems(config: ConfigDict, view: pathlib.Path, candidates: list[dict
 
 
 def collect_verifier(config: ConfigDict, out: pathlib.Path) -> dict:
-    from caper_jax.prm.localization import best_fair_baseline
+    from caper_jax.eval.localization import best_fair_baseline
 
     prm = json.loads((out / "prm" / "results.json").read_text())
     localization = prm.get("localization", {})

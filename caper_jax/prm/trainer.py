@@ -26,7 +26,7 @@ from caper_jax.data.world import DataWorld, prepare_world
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
-from caper_jax.prm import evaluation
+from caper_jax.eval import prm_heldout as evaluation
 from caper_jax.prm.export import export_prm_to_hf
 from caper_jax.prm.loss import LmAuxConfig, PairLossConfig
 from caper_jax.prm.model import ClausePRM
