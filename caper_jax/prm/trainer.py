@@ -3,7 +3,8 @@
 Reads top to bottom like big_vision's train.py. Everything heavy lives elsewhere: annotation in
 ``caper_jax.sql`` (streamed through Grain by ``caper_jax.data.annotation_source``), batches in
 ``caper_jax.data.prm_pipeline``, the jitted step in ``caper_jax.prm.step``, sharding in
-``caper_jax.parallel``, checkpoints in ``caper_jax.checkpoint``.
+``caper_jax.parallel``, checkpoints in ``caper_jax.checkpoint``, the loop around the step (logging,
+periodic evaluation, resume, checkpoint saves) in ``caper_jax.loop``.
 """
 from __future__ import annotations
 
@@ -17,13 +18,11 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from caper_jax import checkpoint as ckpt_lib
+from caper_jax import loop, runs
 from caper_jax.data import prm_pipeline as pipe_lib
 from caper_jax.data.world import DataWorld, prepare_world
-from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
 from caper_jax.eval import prm_heldout as evaluation
@@ -33,8 +32,7 @@ from caper_jax.prm.model import ClausePRM
 from caper_jax.prm import step as step_lib
 from caper_jax.utils import optim as optim_lib
 from caper_jax.sql.tuples import TUPLE_FORMAT, AnnotationSettings
-from caper_jax.utils.errors import NonFiniteLossError
-from caper_jax.utils.monitoring import MetricWriter, Progress, plot_curves, read_metrics
+from caper_jax.utils.errors import CheckpointError
 
 log = logging.getLogger("caper_jax")
 
@@ -107,22 +105,10 @@ def annotate_split(world: DataWorld, split: str, settings: AnnotationSettings, c
 
 def validate(config) -> None:
     """Every config value checked before any data, model or compilation work starts."""
-    from caper_jax.models.presets import PRESETS
-
-    if config.data.kind not in ("demo", "spider"):
-        raise ValueError(f"data.kind={config.data.kind!r}; expected 'demo' or 'spider'")
-    if config.model.preset not in PRESETS and not config.model.hf_dir:
-        raise ValueError(f"model.preset={config.model.preset!r}; expected one of {PRESETS} or model.hf_dir")
-    from caper_jax.models.config import REMAT_POLICIES
-
-    if config.model.remat not in REMAT_POLICIES:
-        raise ValueError(f"model.remat={config.model.remat!r}; expected one of {REMAT_POLICIES}")
+    loop.check_config(config, positive=("log_every", "eval_every", "ckpt_every"))
     loss_config(config)            # form / margin_weight / alpha
     lm_config(config)              # lm_coef >= 0
     annotation_settings(config)    # alpha, sigma, floor, per_query, compound
-    buckets = tuple(config.data.bucket_lengths)
-    if list(buckets) != sorted(buckets) or buckets[-1] > config.data.max_len:
-        raise ValueError(f"data.bucket_lengths={buckets} must be increasing and <= data.max_len")
     if config.data.batch_size < 1 or config.data.eval_batch_size < 1:
         # Caught here, not after minutes of annotation.
         raise ValueError(f"data.batch_size={config.data.batch_size} and data.eval_batch_size="
@@ -132,48 +118,34 @@ def validate(config) -> None:
                          f"multiple of the process count {jax.process_count()}")
     if config.data.counterfactual_repeat < 1:
         raise ValueError(f"data.counterfactual_repeat={config.data.counterfactual_repeat} must be >= 1")
-    if config.optim.total_steps < 1 or config.optim.lr <= 0:
-        raise ValueError("optim.total_steps must be >= 1 and optim.lr > 0")
-    for key in ("log_every", "eval_every", "ckpt_every"):
-        if config[key] < 1:
-            raise ValueError(f"{key} must be >= 1, got {config[key]}")
-    mesh_lib.resolve_mesh_shape(tuple(config.mesh_shape.values()), jax.device_count())
-    rules_lib.rules_dict(config.sharding_rules)
     if config.model.get("init_from"):
         check_init_from(config)
 
 
-class InitFromError(ValueError):
-    """model.init_from does not name an SFT/GRPO run whose backbone fits this PRM."""
-
-
 def check_init_from(config, vocab_size: int | None = None) -> None:
-    """The run named by ``model.init_from`` exists and matches the PRM's architecture: one clear error
-    before any data, annotation or training work (the parameters themselves are read in build_model)."""
-    from caper_jax.eval import restore
-
+    """The run named by ``model.init_from`` exists and matches the PRM's architecture: one clear
+    ``CheckpointError`` before any data, annotation or training work (build_model reads the parameters)."""
     source = config.model.init_from
     if config.model.hf_dir:
-        raise InitFromError(f"model.init_from={source!r} and model.hf_dir={config.model.hf_dir!r}: set one")
+        raise CheckpointError(f"model.init_from={source!r} and model.hf_dir={config.model.hf_dir!r}: set one")
     try:
-        step_dir = restore.latest_whole_step(restore.checkpoints_dir(source))
-        stored = restore.stored_config(step_dir)
-    except (restore.WorkdirError, FileNotFoundError) as error:
-        raise InitFromError(f"model.init_from={source!r}: {error}") from error
-    if stored.get("trainer") not in ("sft", "grpo"):
-        raise InitFromError(f"model.init_from={source!r}: {step_dir} was written by the "
-                            f"{stored.get('trainer')!r} trainer, not SFT/GRPO")
-    model = stored.get("model", {})
-    if model.get("hf_dir") or stored.get("policy", {}).get("hf_dir"):
-        raise InitFromError(f"model.init_from={source!r} started from HF weights; set model.hf_dir to those instead")
-    mismatched = {k: (model.get(k), config.model[k]) for k in ("preset", "param_dtype") if model.get(k) != config.model[k]}
+        run = runs.read_run(source, trainers=runs.POLICY_TRAINERS)
+    except CheckpointError as error:
+        raise CheckpointError(f"model.init_from={source!r}: {error}") from error
+    stored = run.config.get("model", {})
+    from_hf = bool(stored.get("hf_dir") or run.config.get("policy", {}).get("hf_dir"))
+    if from_hf and not run.recorded:   # its architecture is only in an HF config.json the run may have outlived
+        raise CheckpointError(f"model.init_from={source!r} started from HF weights; set model.hf_dir to those instead")
+    expected = {"param_dtype": run.model_config.param_dtype}
+    if not from_hf:   # a run from HF weights (or a conversion) has no preset: its record is the architecture
+        expected["preset"] = stored.get("preset")
+    mismatched = {k: (v, config.model[k]) for k, v in expected.items() if v != config.model[k]}
     if mismatched:
-        raise InitFromError(f"model.init_from={source!r}: the run's model differs from this PRM's "
-                            f"(stored, here): {mismatched}")
-    stored_vocab = restore.stored_param_shapes(step_dir).get("embed_tokens", (None,))[0]
-    if vocab_size is not None and stored_vocab != vocab_size:
-        raise InitFromError(f"model.init_from={source!r}: its embedding has {stored_vocab} rows but this PRM's "
-                            f"tokenizer has {vocab_size} tokens (a different tokenizer)")
+        raise CheckpointError(f"model.init_from={source!r}: the run's model differs from this PRM's "
+                              f"(stored, here): {mismatched}")
+    if vocab_size is not None and run.model_config.vocab_size != vocab_size:
+        raise CheckpointError(f"model.init_from={source!r}: its embedding has {run.model_config.vocab_size} rows but "
+                              f"this PRM's tokenizer has {vocab_size} tokens (a different tokenizer)")
 
 
 def build_model(config, vocab_size: int, mesh, rules) -> ClausePRM:
@@ -183,12 +155,12 @@ def build_model(config, vocab_size: int, mesh, rules) -> ClausePRM:
 
     runtime = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat)
     if config.model.get("init_from"):
-        from caper_jax.eval.policy import load_policy
         from caper_jax.prm.model import backbone_config
 
         check_init_from(config, vocab_size)
-        # load_policy reads the newest whole checkpoint's params onto their shardings (eval/restore).
-        backbone = load_policy(config.model.init_from, mesh, rules, dtype=config.model.dtype).model
+        # The newest whole checkpoint's params, read onto their shardings.
+        backbone = runs.load_run(config.model.init_from, mesh=mesh, rules=rules, trainers=runs.POLICY_TRAINERS,
+                                 dtype=config.model.dtype).model
         if not backbone.config.tie_word_embeddings:
             del backbone.lm_head   # the PRM reads no vocabulary logits (as load_prm_backbone)
         arch = backbone.config.replace(remat=config.model.remat)
@@ -206,13 +178,8 @@ def build_model(config, vocab_size: int, mesh, rules) -> ClausePRM:
 
 
 def run(config, workdir: str) -> dict:
-    started = time.perf_counter()
-    multihost.initialize()
-    workdir = pathlib.Path(workdir)
-    main = multihost.is_main_process()
-    if main:
-        workdir.mkdir(parents=True, exist_ok=True)
-    writer = MetricWriter(workdir, enabled=main)
+    run = loop.Run.start(config, workdir)
+    workdir = run.workdir
 
     # Data: the world (demo or Spider layout), its tokenizer, and annotated tuples. Process 0
     # builds them; the others then reuse its files (shared workdir) or build their own (local disk).
@@ -227,16 +194,12 @@ def run(config, workdir: str) -> dict:
     tokenizer = world.tokenizer
 
     # Model, optimizer and state, created sharded over the mesh.
-    mesh = mesh_lib.make_mesh(config.mesh_shape.to_dict())
-    rules = tuple(tuple(r) for r in config.sharding_rules)
+    mesh, rules = run.use_mesh()
     model = build_model(config, len(tokenizer), mesh, rules)
-    graphdef, params = nnx.split(model)
     tx = optim_lib.make_optimizer(config.optim)
-    state_sharding = rules_lib.logical_to_sharding(
-        jax.eval_shape(lambda p: optim_lib.init_state(p, tx), params), mesh, rules)
-    with jax.set_mesh(mesh):
-        state = jax.jit(lambda p: optim_lib.init_state(p, tx), out_shardings=state_sharding)(params)
-    del params, model
+    graphdef, state, state_sharding = loop.create_state(model, tx, mesh, rules)
+    run_record = runs.record(model.config, world.tokenizer_dir)   # saved with every checkpoint
+    del model
     train_step, eval_scores, clause_scores = step_lib.jit_steps(graphdef, tx, loss_config(config), state_sharding,
                                                               lm_config(config, tokenizer))
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
@@ -253,91 +216,52 @@ def run(config, workdir: str) -> dict:
                        pipeline.num_records, pipeline.num_groups, pipeline.steps_per_epoch)
 
     # Resume from the newest whole checkpoint, data position included.
-    checkpointer = ckpt_lib.Checkpointer(workdir / "checkpoints", max_to_keep=config.ckpt_keep,
-                                         save_interval_steps=config.ckpt_every)
-    restored = checkpointer.restore_latest(ckpt_lib.abstract_state(state), data_iterator=data_iter)
-    if restored is not None:
-        state = restored.state
-        multihost.log_main("resumed from step %d", restored.step)
-    first_step = int(state.step)
+    state = run.resume(state, data_iter, run_record=run_record)
 
-    total = config.optim.total_steps
+    def step(state, _):
+        host_batch = next(data_iter)
+        batch = multihost.host_local_to_global(
+            {k: v for k, v in host_batch.items() if k != "record_index"}, mesh, rules)
+        return train_step(state, batch)
+
     evaluator = evaluation.PrmEvaluator(world, tokenizer, eval_path, config, mesh, rules)
-    progress = Progress(total, first_step)
-    train_metrics = []
+    state = run.train(state, step, log_line=lambda s: f"  loss {s['train/loss']:.4f}  acc {s['train/accuracy']:.3f}",
+                      evaluate=lambda state: evaluator.pairwise(state.params, eval_scores),
+                      eval_every=config.eval_every)
     with jax.set_mesh(mesh):
-        for step in range(first_step + 1, total + 1):
-            host_batch = next(data_iter)
-            batch = multihost.host_local_to_global(
-                {k: v for k, v in host_batch.items() if k != "record_index"}, mesh, rules)
-            state, metrics = train_step(state, batch)
-            train_metrics.append(metrics)
-            if step % config.log_every == 0 or step == total:
-                summary = {f"train/{k}": float(np.mean([jax.device_get(m[k]) for m in train_metrics]))
-                           for k in train_metrics[0]}
-                train_metrics = []
-                summary["train/lr"] = float(optim_lib.learning_rate(config.optim)(step))
-                line = progress.update(step)
-                summary["train/steps_per_s"] = progress.steps_per_s
-                writer.write(step, summary)
-                multihost.log_main("%s  loss %.4f  acc %.3f", line, summary["train/loss"], summary["train/accuracy"])
-            if int(state.nonfinite) > config.optim.max_consecutive_nonfinite:
-                checkpointer.close()
-                raise NonFiniteLossError(
-                    f"step {step}: {int(state.nonfinite)} consecutive non-finite losses/gradients (limit "
-                    f"{config.optim.max_consecutive_nonfinite}); the updates were refused and the last good "
-                    f"checkpoint in {workdir / 'checkpoints'} is intact. Lower optim.lr or check the data.")
-            if step % config.eval_every == 0 and step != total:
-                writer.write(step, evaluator.pairwise(state.params, eval_scores))
-            checkpointer.save(step, state, data_iterator=data_iter, config=config.to_dict(),
-                              force=step == total)
-        checkpointer.wait()
-
         results = evaluator.full(state.params, eval_scores, clause_scores)
-    writer.write(total, {k: v for k, v in results["metrics"].items()})
-    writer.close()
-    checkpointer.close()
-    if main:
+    run.finish(results["metrics"], curves=["train/loss", "train/accuracy", "eval/pair_accuracy", "eval/loss"],
+               png="loss_curve.png", title="Clause-PRM training")
+    if run.main:
         evaluation.write_report(results, workdir)
-        plot_curves(read_metrics(workdir / "metrics.jsonl"),
-                    ["train/loss", "train/accuracy", "eval/pair_accuracy", "eval/loss"],
-                    workdir / "loss_curve.png", title="Clause-PRM training")
     if config.export_hf:
         export_prm_to_hf(nnx.merge(graphdef, state.params), workdir / "hf_export", tokenizer)
     from caper_jax.utils import summary as summary_lib
 
-    summary_lib.prm_run(results, workdir, time.perf_counter() - started, export=config.export_hf)
+    summary_lib.prm_run(results, workdir, run.elapsed(), export=config.export_hf)
     return results
 
 
 def dry_run(config) -> dict:
     """Lower + compile the train step on abstract shapes for the current devices; no weights."""
-    from caper_jax.models.presets import model_preset
-    from caper_jax.parallel.dry_run import report
-
-    mesh = mesh_lib.make_mesh(config.mesh_shape.to_dict())
-    rules = tuple(tuple(r) for r in config.sharding_rules)
-    runtime = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat)
-    model_config = model_preset(config.model.preset, **runtime)
-    tx = optim_lib.make_optimizer(config.optim)
-    graphdef, abstract = rules_lib.abstract_train_state(
-        lambda: ClausePRM(model_config, rngs=nnx.Rngs(0), mesh=mesh, rules=rules),
-        lambda p: optim_lib.init_state(p, tx), mesh, rules)
     b, length = config.data.batch_size, config.data.max_len
-    batch_sharding = lambda nd: multihost.batch_sharding(mesh, nd, rules)
-    ids = jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=batch_sharding(2))
-    vec = lambda dt: jax.ShapeDtypeStruct((b,), dt, sharding=batch_sharding(1))
-    batch = {"chosen_ids": ids, "chosen_mask": ids, "chosen_pos": vec(jnp.int32), "rejected_ids": ids,
-             "rejected_mask": ids, "rejected_pos": vec(jnp.int32), "margin": vec(jnp.float32),
-             "weight": vec(jnp.float32), "clause_id": vec(jnp.int32)}
-    if config.data.within_batch_size:  # group rows, with the narrowest slot width the pipeline makes
-        g, slots = config.data.within_batch_size, pipe_lib.GROUP_SLOT_MULTIPLE
-        batch |= {"group_ids": jax.ShapeDtypeStruct((g, length), jnp.int32, sharding=batch_sharding(2)),
-                  "group_mask": jax.ShapeDtypeStruct((g, length), jnp.int32, sharding=batch_sharding(2)),
-                  "group_pos": jax.ShapeDtypeStruct((g, slots), jnp.int32, sharding=batch_sharding(2)),
-                  "group_margin": jax.ShapeDtypeStruct((g, slots), jnp.float32, sharding=batch_sharding(2)),
-                  "group_weight": jax.ShapeDtypeStruct((g,), jnp.float32, sharding=batch_sharding(1))}
-    train_step, _, _ = step_lib.jit_steps(graphdef, tx, loss_config(config), lm_cfg=lm_config(config))
-    print(f"Clause-PRM train step: preset {config.model.preset}, global batch {b} pairs x {length} tokens, "
-          f"remat {config.model.remat}, params {config.model.param_dtype}, compute {config.model.dtype}")
-    return report(train_step, (abstract, batch), mesh, params=abstract.params)
+
+    def batch(struct):
+        ids, vec = struct((b, length), jnp.int32), lambda dt: struct((b,), dt)
+        batch = {"chosen_ids": ids, "chosen_mask": ids, "chosen_pos": vec(jnp.int32), "rejected_ids": ids,
+                 "rejected_mask": ids, "rejected_pos": vec(jnp.int32), "margin": vec(jnp.float32),
+                 "weight": vec(jnp.float32), "clause_id": vec(jnp.int32)}
+        if config.data.within_batch_size:  # group rows, with the narrowest slot width the pipeline makes
+            g, slots = config.data.within_batch_size, pipe_lib.GROUP_SLOT_MULTIPLE
+            batch |= {"group_ids": struct((g, length), jnp.int32), "group_mask": struct((g, length), jnp.int32),
+                      "group_pos": struct((g, slots), jnp.int32), "group_margin": struct((g, slots), jnp.float32),
+                      "group_weight": struct((g,), jnp.float32)}
+        return batch
+
+    def train_step(graphdef, tx):
+        return step_lib.jit_steps(graphdef, tx, loss_config(config), lm_cfg=lm_config(config))[0]
+
+    return loop.dry_run(
+        config, ClausePRM, train_step, batch,
+        f"Clause-PRM train step: preset {config.model.preset}, global batch {b} pairs x {length} tokens, "
+        f"remat {config.model.remat}, params {config.model.param_dtype}, compute {config.model.dtype}")

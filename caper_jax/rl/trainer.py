@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import pathlib
 import time
-from typing import Callable
 
 import grain
 import jax
@@ -31,88 +29,42 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from ml_collections import ConfigDict
 
-from caper_jax import checkpoint as ckpt_lib
+from caper_jax import loop, runs
 from caper_jax.models.sampler import SamplingConfig
-from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel import multihost
-from caper_jax.parallel import rules as rules_lib
 from caper_jax.policy import rollout as rollout_lib
 from caper_jax.policy import sampling as sampling_lib
 from caper_jax.policy.build import build_policy
 from caper_jax.policy.logprobs import completion_logprobs, jit_completion_logprobs
-from caper_jax.utils.optim import TrainState, guarded_update, init_state, learning_rate, make_optimizer
+from caper_jax.utils.optim import TrainState, guarded_update, make_optimizer
 from caper_jax.rl.advantages import clause_advantages
 from caper_jax.rl.losses import AGGREGATIONS, grpo_loss
 from caper_jax.rl.rewards import layout_rewards, reward_variant
 from caper_jax.sft import data as data_lib
-from caper_jax.sft.trainer import cached_program, create_state, finish_policy_run, frozen
-from caper_jax.utils.errors import NonFiniteLossError
-from caper_jax.utils.monitoring import MetricWriter, Progress
+from caper_jax.utils.errors import CheckpointError
 
 log = logging.getLogger("caper_jax")
 
 
-class RunLoadError(ValueError):
-    """A policy or PRM run directory cannot be loaded."""
-
-
-# -- loading frozen / initial weights from other runs
-
-
-def restore_run_params(run_dir: str | pathlib.Path, step: int, build: Callable[[ConfigDict], nnx.Module],
-                       mesh, rules) -> tuple[nnx.Module, int]:
-    """The params of another run's orbax checkpoint (newest verified one when ``step`` is 0), merged
-    into the module ``build(saved config)`` describes; the optimizer state is not read. Returns
-    (module, step)."""
-    from caper_jax.eval import restore
-
-    ckpt_dir = pathlib.Path(run_dir) / "checkpoints"
-    try:
-        if step == 0:
-            step_dir = restore.latest_whole_step(ckpt_dir)
-        else:
-            step_dir = ckpt_dir / str(step)
-            if not step_dir.is_dir():
-                raise RunLoadError(f"{ckpt_dir} has no step {step}")
-            if (problem := ckpt_lib.verify(step_dir)) is not None:
-                raise RunLoadError(f"{step_dir}: {problem}")
-        cfg = ConfigDict(restore.stored_config(step_dir))
-        graphdef, abstract_params = rules_lib.abstract_state(lambda: build(cfg), mesh, rules)
-        params = restore.restore_params(step_dir, abstract_params)
-    except (restore.WorkdirError, FileNotFoundError) as error:
-        raise RunLoadError(f"{run_dir}: {error}") from error
-    return nnx.merge(graphdef, params), int(step_dir.name)
-
-
-def _runtime(model_cfg) -> dict:
-    return dict(dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype, remat=model_cfg.remat)
+# -- the starting policy and the frozen PRM (other runs, read by caper_jax.runs.load_run)
 
 
 def _check_vocab(what: str, model_vocab: int, tokenizer_size: int) -> None:
     if model_vocab < tokenizer_size:
-        raise RunLoadError(f"{what}: vocabulary {model_vocab} < tokenizer size {tokenizer_size}; the run was "
-                           "trained with another tokenizer")
+        raise CheckpointError(f"{what}: vocabulary {model_vocab} < tokenizer size {tokenizer_size}; the run was "
+                              "trained with another tokenizer")
 
 
 def load_policy(config, vocab_size: int, mesh, rules):
-    """The starting policy: an SFT run's checkpoint, an HF directory or a random preset."""
-    from caper_jax.models import Qwen35ForCausalLM
-    from caper_jax.models.presets import model_preset
-
+    """The starting policy: an SFT run's (or converted HF model's) checkpoint, an HF directory or a
+    random preset; in this run's dtypes and remat."""
     if config.policy.sft_workdir:
-        def build(cfg):
-            if cfg.model.hf_dir:
-                from caper_jax.models.hf_io import read_config
-
-                arch = read_config(cfg.model.hf_dir, **_runtime(config.model))
-            else:
-                arch = model_preset(cfg.model.preset, vocab_size=vocab_size, **_runtime(config.model))
-            return Qwen35ForCausalLM(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules)
-
-        policy, step = restore_run_params(config.policy.sft_workdir, config.policy.ckpt, build, mesh, rules)
-        multihost.log_main("policy: %s step %d", config.policy.sft_workdir, step)
+        run = runs.load_run(config.policy.sft_workdir, mesh=mesh, rules=rules, step=config.policy.ckpt,
+                            trainers=runs.POLICY_TRAINERS, dtype=config.model.dtype,
+                            param_dtype=config.model.param_dtype, remat=config.model.remat)
+        policy = run.model
+        multihost.log_main("policy: %s step %d", config.policy.sft_workdir, run.step)
     else:
         policy = build_policy(config.model, vocab_size, config.seed, mesh, rules)
         multihost.log_main("policy: %s", config.model.hf_dir or f"random {config.model.preset}")
@@ -122,26 +74,14 @@ def load_policy(config, vocab_size: int, mesh, rules):
 
 def load_prm(config, vocab_size: int, mesh, rules):
     """The frozen Clause-PRM of a PRM run (``prm.workdir``), in this run's compute dtype."""
-    from caper_jax.models.presets import model_preset
-    from caper_jax.prm.model import ClausePRM
-
     if not config.prm.workdir:
-        raise RunLoadError(f"reward.variant={config.reward.variant!r} needs a Clause-PRM: set "
-                           "--config.prm.workdir=<PRM trainer workdir>")
-
-    def build(cfg):
-        runtime = dict(_runtime(cfg.model), dtype=config.model.dtype, remat="none")
-        if cfg.model.hf_dir:
-            from caper_jax.models.hf_io import read_config
-
-            arch = read_config(cfg.model.hf_dir, **runtime)
-        else:
-            arch = model_preset(cfg.model.preset, vocab_size=vocab_size, **runtime)
-        return ClausePRM(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules)
-
-    prm, step = restore_run_params(config.prm.workdir, config.prm.ckpt, build, mesh, rules)
+        raise CheckpointError(f"reward.variant={config.reward.variant!r} needs a Clause-PRM: set "
+                              "--config.prm.workdir=<PRM trainer workdir>")
+    run = runs.load_run(config.prm.workdir, mesh=mesh, rules=rules, step=config.prm.ckpt, trainers=("prm",),
+                        dtype=config.model.dtype)
+    prm = run.model
     _check_vocab("PRM", prm.config.vocab_size, vocab_size)
-    multihost.log_main("Clause-PRM: %s step %d", config.prm.workdir, step)
+    multihost.log_main("Clause-PRM: %s step %d", config.prm.workdir, run.step)
     return prm
 
 
@@ -168,17 +108,14 @@ def update_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientT
 
 
 def jit_update(graphdef, tx, config, state_sharding=None):
-    """The jitted update for ``config`` (state donated), cached per process (``sft.trainer.cached_program``)."""
-    def build():
-        return jax.jit(functools.partial(
-            update_step, graphdef=graphdef, tx=tx, beta=float(config.rl.beta), agg=config.rl.agg,
-            eps_low=float(config.rl.eps_low), eps_high=float(config.rl.eps_high),
-            temperature=float(config.sampling.temperature), chunk_size=config.chunk_size),
-            donate_argnums=0, out_shardings=None if state_sharding is None else (state_sharding, None))
-    shardings = None if state_sharding is None else tuple(jax.tree.leaves(state_sharding))
-    key = ("grpo", graphdef, frozen(config.optim), frozen(config.rl), float(config.sampling.temperature),
-           int(config.chunk_size), shardings)
-    return cached_program(key, build)
+    """The jitted update for ``config`` (state donated), cached per process (``loop.jit_state_step``)."""
+    update = functools.partial(
+        update_step, graphdef=graphdef, tx=tx, beta=float(config.rl.beta), agg=config.rl.agg,
+        eps_low=float(config.rl.eps_low), eps_high=float(config.rl.eps_high),
+        temperature=float(config.sampling.temperature), chunk_size=config.chunk_size)
+    key = ("grpo", graphdef, loop.frozen(config.optim), loop.frozen(config.rl), float(config.sampling.temperature),
+           int(config.chunk_size))
+    return loop.jit_state_step(update, key, state_sharding)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -249,12 +186,7 @@ def _minibatches(batch: dict, count: int):
 
 def validate(config) -> None:
     """Every config value checked before any data, model or compilation work starts."""
-    from caper_jax.models.presets import PRESETS
-
-    if config.data.kind not in ("demo", "spider"):
-        raise ValueError(f"data.kind={config.data.kind!r}; expected 'demo' or 'spider'")
-    if config.model.preset not in PRESETS:
-        raise ValueError(f"model.preset={config.model.preset!r}; expected one of {PRESETS}")
+    loop.check_config(config, positive=("log_every", "ckpt_every", "chunk_size"))
     try:
         variant = reward_variant(config.reward.variant)
     except ValueError as error:
@@ -279,15 +211,8 @@ def validate(config) -> None:
         raise ValueError("sampling.temperature must be > 0 for GRPO (greedy samples give no group signal)")
     SamplingConfig(config.sampling.max_new_tokens, config.sampling.temperature, config.sampling.top_k,
                    config.sampling.top_p)
-    if config.optim.total_steps < 1 or config.optim.lr <= 0:
-        raise ValueError("optim.total_steps must be >= 1 and optim.lr > 0")
-    for key in ("log_every", "ckpt_every", "chunk_size"):
-        if config[key] < 1:
-            raise ValueError(f"{key} must be >= 1, got {config[key]}")
     if config.reward.semantics not in ("spider", "bird"):
         raise ValueError(f"reward.semantics={config.reward.semantics!r}; expected spider or bird")
-    mesh_lib.resolve_mesh_shape(tuple(config.mesh_shape.values()), jax.device_count())
-    rules_lib.rules_dict(config.sharding_rules)
 
 
 def reward_config(config) -> rollout_lib.RewardConfig:
@@ -297,19 +222,12 @@ def reward_config(config) -> rollout_lib.RewardConfig:
 
 
 def run(config, workdir: str) -> dict:
-    started = time.perf_counter()
     from caper_jax.sql.contract import policy_prompt
     from caper_jax.data.world import prepare_world
     from caper_jax.sql.execution import Executors
 
-    multihost.initialize()
-    workdir = pathlib.Path(workdir)
-    main = multihost.is_main_process()
-    if main:
-        workdir.mkdir(parents=True, exist_ok=True)
-    writer = MetricWriter(workdir, enabled=main)
-
-    world = prepare_world(config, workdir)
+    run = loop.Run.start(config, workdir)
+    world = prepare_world(config, run.workdir)
     tokenizer = world.tokenizer
     stop_tokens = tuple(sorted({data_lib.stop_token_id(tokenizer)} |
                                ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())))
@@ -318,15 +236,15 @@ def run(config, workdir: str) -> dict:
     examples, golds = rl_examples(world, config.data.train_split, executors, config.data.schema_values)
     prompts = [policy_prompt(ex.question, ex.schema, ex.evidence) for ex in examples]
 
-    mesh = mesh_lib.make_mesh(config.mesh_shape.to_dict())
-    rules = tuple(tuple(r) for r in config.sharding_rules)
+    mesh, rules = run.use_mesh()
     vocab = len(tokenizer)
     policy = load_policy(config, vocab, mesh, rules)
     tx = make_optimizer(config.optim)
-    graphdef, state, state_sharding = create_state(policy, tx, mesh, rules)
+    graphdef, state, state_sharding = loop.create_state(policy, tx, mesh, rules)
     ref_params = state.params if config.rl.beta > 0 else None  # the starting point, before any update
     if ref_params is not None:
         ref_params = jax.tree.map(jnp.copy, ref_params)  # the state is donated; the reference must survive
+    run_record = runs.record(policy.config, world.tokenizer_dir)   # saved with every checkpoint
     del policy
     prm = load_prm(config, vocab, mesh, rules) if reward_variant(config.reward.variant).uses_prm else None
     if prm is not None:
@@ -341,124 +259,105 @@ def run(config, workdir: str) -> dict:
                        config.rl.prompts_per_step, group, len(examples))
 
     data_iter = prompt_iterator(len(examples), config.rl.prompts_per_step, config.seed)
-    checkpointer = ckpt_lib.Checkpointer(workdir / "checkpoints", max_to_keep=config.ckpt_keep,
-                                         save_interval_steps=config.ckpt_every)
-    restored = checkpointer.restore_latest(ckpt_lib.abstract_state(state), data_iterator=data_iter)
-    if restored is not None:
-        state = restored.state
-        multihost.log_main("resumed from step %d", restored.step)
-    first_step = int(state.step)
-
-    total = config.optim.total_steps
-    progress = Progress(total, first_step)
+    state = run.resume(state, data_iter, run_record=run_record)
     base_key = jax.random.key(config.seed)
-    with jax.set_mesh(mesh):
-        for step in range(first_step + 1, total + 1):
-            t_start = time.perf_counter()
-            indices = np.repeat(np.asarray(next(data_iter)), group)  # consecutive rows = one group
-            prompt_ids, prompt_mask = data_lib.prompt_batch([prompts[i] for i in indices], tokenizer,
-                                                            config.sampling.max_prompt_len,
-                                                            multiple=config.sampling.prompt_bucket, pad_id=pad_id)
-            output = sampling_lib.sample(nnx.merge(graphdef, state.params), jnp.asarray(prompt_ids),
-                                         jnp.asarray(prompt_mask), jax.random.fold_in(base_key, step), sampling)
-            jax.block_until_ready(output)
-            t_sampled = time.perf_counter()
-            rollout = rollout_lib.assemble_rollout(
-                prompt_ids, prompt_mask, output, tokenizer, executors, [examples[i].db_id for i in indices],
-                [examples[i].sql for i in indices], [golds[i] for i in indices], stop_tokens, reward_cfg)
-            t_scored = time.perf_counter()
 
-            batch, _ = multihost.replicated_batch(
-                {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
-                 "completion_mask": rollout.completion_mask, "old_logp": rollout.old_logp,
-                 "clause_ends": rollout.clause_ends, "exec_rewards": rollout.exec_rewards,
-                 "parse_ok": rollout.parse_ok}, mesh, rules)
-            n_new = rollout.completion_mask.shape[1]
-            if prm is not None:
-                prm_scores = prm_token_scores(prm_params, batch["input_ids"], batch["attention_mask"],
-                                              graphdef=prm_graphdef)[:, -n_new:]
-            else:
-                prm_scores = jnp.zeros(batch["completion_mask"].shape, jnp.float32)
-            advantages, unit_stats = advantages_from_rewards(
-                prm_scores, batch["clause_ends"], batch["exec_rewards"], batch["completion_mask"], batch["parse_ok"],
-                variant=config.reward.variant, group_size=group, gamma=float(config.rl.gamma),
-                prm_weight=float(config.reward.prm_weight), exec_failure_reward=float(config.reward.failure),
-                format_penalty=float(config.reward.format_penalty), scale_by_std=config.rl.scale_by_std)
-            train_batch = {k: batch[k] for k in ("input_ids", "attention_mask", "completion_mask", "old_logp")}
-            train_batch["advantages"] = advantages
-            if ref_params is not None:
-                train_batch["ref_logp"] = jit_completion_logprobs(
-                    ref_params, batch["input_ids"], batch["attention_mask"], graphdef=graphdef, completion_len=n_new,
-                    temperature=float(config.sampling.temperature), chunk_size=config.chunk_size)
-            t_prepared = time.perf_counter()
+    def step(state, step):
+        t_start = time.perf_counter()
+        indices = np.repeat(np.asarray(next(data_iter)), group)  # consecutive rows = one group
+        prompt_ids, prompt_mask = data_lib.prompt_batch([prompts[i] for i in indices], tokenizer,
+                                                        config.sampling.max_prompt_len,
+                                                        multiple=config.sampling.prompt_bucket, pad_id=pad_id)
+        output = sampling_lib.sample(nnx.merge(graphdef, state.params), jnp.asarray(prompt_ids),
+                                     jnp.asarray(prompt_mask), jax.random.fold_in(base_key, step), sampling)
+        jax.block_until_ready(output)
+        t_sampled = time.perf_counter()
+        rollout = rollout_lib.assemble_rollout(
+            prompt_ids, prompt_mask, output, tokenizer, executors, [examples[i].db_id for i in indices],
+            [examples[i].sql for i in indices], [golds[i] for i in indices], stop_tokens, reward_cfg)
+        t_scored = time.perf_counter()
 
-            metrics = []
-            for _ in range(config.rl.update_epochs):
-                for minibatch in _minibatches(train_batch, config.rl.num_minibatches):
-                    state, m = update(state, minibatch)
-                    metrics.append(m)
-            state = state.replace(step=state.step + 1)
-            jax.block_until_ready(state)
-            t_end = time.perf_counter()
+        batch, _ = multihost.replicated_batch(
+            {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
+             "completion_mask": rollout.completion_mask, "old_logp": rollout.old_logp,
+             "clause_ends": rollout.clause_ends, "exec_rewards": rollout.exec_rewards,
+             "parse_ok": rollout.parse_ok}, mesh, rules)
+        n_new = rollout.completion_mask.shape[1]
+        if prm is not None:
+            prm_scores = prm_token_scores(prm_params, batch["input_ids"], batch["attention_mask"],
+                                          graphdef=prm_graphdef)[:, -n_new:]
+        else:
+            prm_scores = jnp.zeros(batch["completion_mask"].shape, jnp.float32)
+        advantages, unit_stats = advantages_from_rewards(
+            prm_scores, batch["clause_ends"], batch["exec_rewards"], batch["completion_mask"], batch["parse_ok"],
+            variant=config.reward.variant, group_size=group, gamma=float(config.rl.gamma),
+            prm_weight=float(config.reward.prm_weight), exec_failure_reward=float(config.reward.failure),
+            format_penalty=float(config.reward.format_penalty), scale_by_std=config.rl.scale_by_std)
+        train_batch = {k: batch[k] for k in ("input_ids", "attention_mask", "completion_mask", "old_logp")}
+        train_batch["advantages"] = advantages
+        if ref_params is not None:
+            train_batch["ref_logp"] = jit_completion_logprobs(
+                ref_params, batch["input_ids"], batch["attention_mask"], graphdef=graphdef, completion_len=n_new,
+                temperature=float(config.sampling.temperature), chunk_size=config.chunk_size)
+        t_prepared = time.perf_counter()
 
-            if int(state.nonfinite) > config.optim.max_consecutive_nonfinite:
-                checkpointer.close()
-                raise NonFiniteLossError(
-                    f"step {step}: {int(state.nonfinite)} consecutive non-finite GRPO updates (limit "
-                    f"{config.optim.max_consecutive_nonfinite}); they were refused and the last good checkpoint "
-                    f"in {workdir / 'checkpoints'} is intact. Lower optim.lr or check the rewards.")
-            if step % config.log_every == 0 or step == total:
-                fetched = jax.device_get(metrics)
-                generated = float(rollout.completion_mask.sum())
-                updated_tokens = float(rollout.attention_mask.sum()) * config.rl.update_epochs
-                summary = {f"train/{k}": float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
-                summary.update({f"rollout/{k}": float(v) for k, v in jax.device_get(unit_stats).items()})
-                summary.update({
-                    "rollout/reward_mean": float(rollout.exec_rewards.mean()),
-                    "rollout/ex": float(rollout.correct.mean()),
-                    "rollout/parse_rate": float(rollout.parse_ok.mean()),
-                    "rollout/exec_rate": float(rollout.executed.mean()),
-                    "rollout/completion_len": generated / len(rollout.texts),
-                    "perf/rollout_tokens_per_s": generated / max(t_sampled - t_start, 1e-9),
-                    "perf/score_s": t_scored - t_sampled,
-                    "perf/update_tokens_per_s": updated_tokens / max(t_end - t_prepared, 1e-9),
-                    "perf/step_s": t_end - t_start,
-                    "train/lr": float(learning_rate(config.optim)(step)),
-                })
-                line = progress.update(step)
-                summary["perf/steps_per_s"] = progress.steps_per_s
-                writer.write(step, summary)
-                multihost.log_main("%s  reward %.3f  EX %.3f  parse %.2f  kl %.4f  clip %.3f  |A| %.3f", line,
-                                   summary["rollout/reward_mean"], summary["rollout/ex"],
-                                   summary["rollout/parse_rate"], summary.get("train/kl_ref", 0.0),
-                                   summary["train/clip_frac_low"] + summary["train/clip_frac_high"],
-                                   summary["rollout/abs_advantage"])
-            checkpointer.save(step, state, data_iterator=data_iter, config=config.to_dict(), force=step == total)
-        checkpointer.wait()
+        updates = []
+        for _ in range(config.rl.update_epochs):
+            for minibatch in _minibatches(train_batch, config.rl.num_minibatches):
+                state, m = update(state, minibatch)
+                updates.append(m)
+        state = state.replace(step=state.step + 1)
+        jax.block_until_ready(state)
+        t_end = time.perf_counter()
 
-        policy = nnx.merge(graphdef, state.params)
-        rows = []
-        results = {"variant": config.reward.variant, "steps": total}
-        if config.eval.num_examples:  # 0: no end-of-run EX (caper_jax.reproduce evaluates separately)
-            held_out = data_lib.examples_from_split(world.dir, config.data.eval_split,
-                                                    schema_values=config.data.schema_values)
-            order = np.random.default_rng(config.seed).permutation(len(held_out))[: config.eval.num_examples]
+        generated = float(rollout.completion_mask.sum())
+        updated_tokens = float(rollout.attention_mask.sum()) * config.rl.update_epochs
+        return state, {"updates": updates, "unit_stats": unit_stats, "rollout": {
+            "rollout/reward_mean": float(rollout.exec_rewards.mean()),
+            "rollout/ex": float(rollout.correct.mean()),
+            "rollout/parse_rate": float(rollout.parse_ok.mean()),
+            "rollout/exec_rate": float(rollout.executed.mean()),
+            "rollout/completion_len": generated / len(rollout.texts),
+            "perf/rollout_tokens_per_s": generated / max(t_sampled - t_start, 1e-9),
+            "perf/score_s": t_scored - t_sampled,
+            "perf/update_tokens_per_s": updated_tokens / max(t_end - t_prepared, 1e-9),
+            "perf/step_s": t_end - t_start}}
+
+    def summarize(fetched, _):
+        # The row describes the last step alone: its rollout and the updates made from it.
+        last = fetched[-1]
+        return {**loop.train_means(last["updates"]),
+                **{f"rollout/{k}": float(v) for k, v in last["unit_stats"].items()}, **last["rollout"]}
+
+    def log_line(s):
+        return (f"  reward {s['rollout/reward_mean']:.3f}  EX {s['rollout/ex']:.3f}  parse {s['rollout/parse_rate']:.2f}"
+                f"  kl {s.get('train/kl_ref', 0.0):.4f}  clip {s['train/clip_frac_low'] + s['train/clip_frac_high']:.3f}"
+                f"  |A| {s['rollout/abs_advantage']:.3f}")
+
+    state = run.train(state, step, summarize=summarize, log_line=log_line, steps_per_s_key="perf/steps_per_s")
+    policy = nnx.merge(graphdef, state.params)
+    rows = []
+    results = {"variant": config.reward.variant, "steps": config.optim.total_steps}
+    if config.eval.num_examples:  # 0: no end-of-run EX (caper_jax.reproduce evaluates separately)
+        held_out = data_lib.examples_from_split(world.dir, config.data.eval_split,
+                                                schema_values=config.data.schema_values)
+        order = np.random.default_rng(config.seed).permutation(len(held_out))[: config.eval.num_examples]
+        with jax.set_mesh(mesh):
             summary, rows = rollout_lib.greedy_ex(
                 policy, tokenizer, [held_out[i] for i in sorted(order)], executors,
                 max_prompt_len=config.sampling.max_prompt_len, max_new_tokens=config.sampling.max_new_tokens,
                 stop_tokens=stop_tokens, batch_size=config.eval.batch_size, semantics=config.reward.semantics)
-            results.update({"eval/greedy_ex": summary["ex"], "eval/executable": summary["executable"],
-                            "eval/n": summary["n"], "eval/excluded": summary["excluded"]})
-            multihost.log_main("greedy EX on %d held-out %s examples: %.3f", summary["n"], config.data.eval_split,
-                               summary["ex"])
-    checkpointer.close()
+        results.update({"eval/greedy_ex": summary["ex"], "eval/executable": summary["executable"],
+                        "eval/n": summary["n"], "eval/excluded": summary["excluded"]})
+        multihost.log_main("greedy EX on %d held-out %s examples: %.3f", summary["n"], config.data.eval_split,
+                           summary["ex"])
     executors.close()
-    finish_policy_run(workdir, writer, total, results, rows, policy, tokenizer, export_hf=config.export_hf,
-                      curves=["rollout/reward_mean", "rollout/ex", "train/kl_ref", "train/entropy"],
-                      png="grpo_curves.png", title=f"GRPO ({config.reward.variant})")
+    loop.finish_policy_run(run, results, rows, policy, tokenizer,
+                           curves=["rollout/reward_mean", "rollout/ex", "train/kl_ref", "train/entropy"],
+                           png="grpo_curves.png", title=f"GRPO ({config.reward.variant})")
     from caper_jax.utils import summary as summary_lib
 
-    summary_lib.policy_run(f"GRPO ({config.reward.variant})", results, workdir, time.perf_counter() - started,
+    summary_lib.policy_run(f"GRPO ({config.reward.variant})", results, run.workdir, run.elapsed(),
                            eval_split=config.data.eval_split, png="grpo_curves.png", export=config.export_hf)
     return results
 
@@ -466,25 +365,19 @@ def run(config, workdir: str) -> dict:
 def dry_run(config) -> dict:
     """Lower + compile the GRPO update on abstract shapes for the current devices; no weights."""
     from caper_jax.models import Qwen35ForCausalLM
-    from caper_jax.models.presets import model_preset
-    from caper_jax.parallel.dry_run import report
 
-    mesh = mesh_lib.make_mesh(config.mesh_shape.to_dict())
-    rules = tuple(tuple(r) for r in config.sharding_rules)
-    arch = model_preset(config.model.preset, **_runtime(config.model))
-    tx = make_optimizer(config.optim)
-    graphdef, abstract = rules_lib.abstract_train_state(
-        lambda: Qwen35ForCausalLM(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules),
-        lambda p: init_state(p, tx), mesh, rules)
     rows = config.rl.prompts_per_step * config.rl.group_size // config.rl.num_minibatches
     full, new = config.sampling.max_prompt_len + config.sampling.max_new_tokens, config.sampling.max_new_tokens
-    def sds(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=multihost.batch_sharding(mesh, len(shape), rules))
-    batch = {"input_ids": sds((rows, full), jnp.int32), "attention_mask": sds((rows, full), jnp.int32),
-             "completion_mask": sds((rows, new), jnp.int32), "old_logp": sds((rows, new), jnp.float32),
-             "advantages": sds((rows, new), jnp.float32)}
-    if config.rl.beta > 0:
-        batch["ref_logp"] = sds((rows, new), jnp.float32)
-    print(f"GRPO update: preset {config.model.preset}, minibatch {rows} x ({config.sampling.max_prompt_len} + "
-          f"{new}) tokens, beta {config.rl.beta}, remat {config.model.remat}")
-    return report(jit_update(graphdef, tx, config), (abstract, batch), mesh, params=abstract.params)
+
+    def batch(struct):
+        batch = {"input_ids": struct((rows, full), jnp.int32), "attention_mask": struct((rows, full), jnp.int32),
+                 "completion_mask": struct((rows, new), jnp.int32), "old_logp": struct((rows, new), jnp.float32),
+                 "advantages": struct((rows, new), jnp.float32)}
+        if config.rl.beta > 0:
+            batch["ref_logp"] = struct((rows, new), jnp.float32)
+        return batch
+
+    return loop.dry_run(
+        config, Qwen35ForCausalLM, lambda graphdef, tx: jit_update(graphdef, tx, config), batch,
+        f"GRPO update: preset {config.model.preset}, minibatch {rows} x ({config.sampling.max_prompt_len} + "
+        f"{new}) tokens, beta {config.rl.beta}, remat {config.model.remat}")

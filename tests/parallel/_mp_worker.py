@@ -17,12 +17,13 @@ import time
 
 from absl import app, flags
 
+from caper_jax import checkpoint as ckpt_lib
 from caper_jax import train
-from caper_jax.prm import trainer
+from caper_jax.parallel import multihost
 
 
 def _report_resume() -> None:
-    restore_latest = trainer.ckpt_lib.Checkpointer.restore_latest
+    restore_latest = ckpt_lib.Checkpointer.restore_latest
 
     def wrapped(self, *args, **kwargs):
         restored = restore_latest(self, *args, **kwargs)
@@ -32,11 +33,11 @@ def _report_resume() -> None:
         print("MP_WORKER " + json.dumps({"process": jax.process_index(), "resumed_step": step}), flush=True)
         return restored
 
-    trainer.ckpt_lib.Checkpointer.restore_latest = wrapped
+    ckpt_lib.Checkpointer.restore_latest = wrapped
 
 
 def _hang_at(step: int) -> None:
-    to_global = trainer.multihost.host_local_to_global
+    to_global = multihost.host_local_to_global
     calls = 0
 
     def wrapped(*args, **kwargs):
@@ -51,7 +52,7 @@ def _hang_at(step: int) -> None:
             time.sleep(3600)
         return to_global(*args, **kwargs)
 
-    trainer.multihost.host_local_to_global = wrapped
+    multihost.host_local_to_global = wrapped
 
 
 if __name__ == "__main__":

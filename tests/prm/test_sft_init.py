@@ -12,6 +12,7 @@ from caper_jax.eval import policy as policy_lib
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel.rules import DEFAULT_RULES
 from caper_jax.prm import trainer as prm_trainer
+from caper_jax.utils.errors import CheckpointError
 from tests.helpers import build_policy_run, build_prm_run, session_root
 
 
@@ -57,9 +58,9 @@ def test_a_missing_or_mismatched_sft_run_is_one_clear_error(runs, tmp_path):
              (_prm_config(str(sft_dir), preset="small"), "differs from this PRM's"),
              (_prm_config(str(sft_dir), hf_dir="/x"), "set one")]
     for config, message in cases:
-        with pytest.raises(prm_trainer.InitFromError, match=message):
+        with pytest.raises(CheckpointError, match=message):
             prm_trainer.validate(config)
-    with pytest.raises(prm_trainer.InitFromError, match="a different tokenizer"):
+    with pytest.raises(CheckpointError, match="a different tokenizer"):
         prm_trainer.check_init_from(_prm_config(str(sft_dir)), vocab_size=7)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -59,10 +60,10 @@ def e2e_config(data_dir: str, variant: str = "sparse", beta: float = 0.0):
 def update_setup(world):
     """The e2e runs' policy, optimizer, mesh and shapes: the update program compiled here is the one the
     sparse/token runs below reuse (same process-wide program cache key)."""
+    from caper_jax.loop import create_state
     from caper_jax.parallel import mesh as mesh_lib
     from caper_jax.policy.logprobs import jit_completion_logprobs
     from caper_jax.rl.trainer import load_policy
-    from caper_jax.sft.trainer import create_state
 
     data_dir, tokenizer = world
     config = e2e_config(data_dir)
@@ -160,6 +161,9 @@ def test_end_to_end_and_resume(variant, beta, world, prm_run, tmp_path):
         assert np.isfinite(train_rows[-1][key]), key
     assert ("train/kl_ref" in train_rows[-1]) == (beta > 0)
     assert (tmp_path / "checkpoints" / "2").is_dir()
+    from caper_jax import runs
+    saved = runs.read_run(tmp_path)   # the run records the policy's architecture and the world's tokenizer
+    assert saved.recorded and saved.tokenizer_dir == pathlib.Path(world[0]) / "tokenizer"
     units = train_rows[-1]["rollout/units_per_sample"]
     assert units == 1.0 if variant == "sparse" else units >= 1.0
 
@@ -171,33 +175,35 @@ def test_end_to_end_and_resume(variant, beta, world, prm_run, tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["variant"] == variant
 
 
-def test_restore_run_params_reads_only_a_whole_checkpoint(world, prm_run, tmp_path):
-    """Params of the newest verified step (the fixture's Rngs(3) init, not the builder's Rngs(0));
-    a missing step, an interrupted save or an empty run is one RunLoadError."""
+def test_the_frozen_prm_is_read_from_a_whole_checkpoint_only(world, prm_run, tmp_path):
+    """Params of the newest verified step (the fixture's Rngs(3) init, not the loader's Rngs(0)) of a run
+    saved without the run record (the architecture re-derived from its config); a missing step, an
+    interrupted save or an empty run is one CheckpointError."""
     import shutil
 
+    from caper_jax import runs
     from caper_jax.models.presets import model_preset
     from caper_jax.parallel.mesh import make_mesh
     from caper_jax.parallel.rules import DEFAULT_RULES
     from caper_jax.prm.model import ClausePRM
+    from caper_jax.utils.errors import CheckpointError
 
     vocab = len(world[1])
-    build = lambda cfg: ClausePRM(model_preset(cfg.model.preset, vocab_size=vocab), rngs=nnx.Rngs(0))  # noqa: E731
     mesh, rules = make_mesh(), tuple(tuple(r) for r in DEFAULT_RULES)
-    prm, step = T.restore_run_params(prm_run, 0, build, mesh, rules)
+    run = runs.load_run(prm_run, mesh=mesh, rules=rules, trainers=("prm",))
     saved = nnx.state(ClausePRM(model_preset("tiny", vocab_size=vocab), rngs=nnx.Rngs(3)))
-    assert step == 7
-    jax.tree.map(np.testing.assert_array_equal, nnx.state(prm), saved)
-    with pytest.raises(T.RunLoadError, match="has no step 5"):
-        T.restore_run_params(prm_run, 5, build, mesh, rules)
+    assert run.step == 7 and not run.recorded and run.model_config.vocab_size == vocab
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(run.model), saved)
+    with pytest.raises(CheckpointError, match="has no step 5"):
+        runs.load_run(prm_run, mesh=mesh, rules=rules, step=5)
     damaged = tmp_path / "damaged"
     shutil.copytree(prm_run, damaged)
     (damaged / "checkpoints" / "7" / "caper_manifest.json").unlink()      # as a save killed mid-write
     for step in (0, 7):
-        with pytest.raises(T.RunLoadError):
-            T.restore_run_params(damaged, step, build, mesh, rules)
-    with pytest.raises(T.RunLoadError):
-        T.restore_run_params(tmp_path / "nothing", 0, build, mesh, rules)
+        with pytest.raises(CheckpointError):
+            runs.load_run(damaged, mesh=mesh, rules=rules, step=step)
+    with pytest.raises(CheckpointError):
+        runs.load_run(tmp_path / "nothing", mesh=mesh, rules=rules)
 
 
 def test_config_accepts_exactly_the_registered_reward_variants():

@@ -1,0 +1,269 @@
+"""The run loop the three trainers share (Clause-PRM, SFT, GRPO): everything around their step.
+
+Learnt from levanter's Trainer with hooks. ``Run`` holds what every run has: the workdir, the main
+process flag, the mesh and sharding rules, the metric writer, the checkpointer with resume (state and
+data iterator), the wall-clock start. ``Run.train`` steps, logs every ``log_every`` steps (means of
+the train metrics, learning rate, steps/s and ETA), evaluates every ``eval_every`` steps, stops with
+``NonFiniteLossError`` after too many refused updates and checkpoints (always at the last step). A
+trainer keeps only what is its own: the model, the step, evaluation and its report.
+
+Also here, once for the three: the config checks they share (``check_config``), the dry run of a
+train step on abstract shapes (``dry_run``), the sharded train state (``create_state``), the jitted
+state-donating step cached per process (``jit_state_step``) and the end of a policy run
+(``finish_policy_run``, SFT and GRPO).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from caper_jax import checkpoint as ckpt_lib
+from caper_jax.parallel import mesh as mesh_lib
+from caper_jax.parallel import multihost
+from caper_jax.parallel import rules as rules_lib
+from caper_jax.utils.errors import NonFiniteLossError
+from caper_jax.utils.monitoring import MetricWriter, Progress, plot_curves, read_metrics
+from caper_jax.utils.optim import TrainState, init_state, learning_rate, make_optimizer
+
+# -- config
+
+
+def check_config(config, *, positive: tuple[str, ...]) -> None:
+    """The checks every trainer's config shares, one rule each; ``positive`` names the top-level
+    integers that must be >= 1 (log_every, ckpt_every, ...)."""
+    from caper_jax.models.config import REMAT_POLICIES
+    from caper_jax.models.presets import PRESETS
+
+    if config.data.kind not in ("demo", "spider"):
+        raise ValueError(f"data.kind={config.data.kind!r}; expected 'demo' or 'spider'")
+    # An HF directory brings its own architecture; the preset then only names the dry run's shapes.
+    if config.model.preset not in PRESETS and not config.model.hf_dir:
+        raise ValueError(f"model.preset={config.model.preset!r}; expected one of {PRESETS} or model.hf_dir")
+    if config.model.remat not in REMAT_POLICIES:
+        raise ValueError(f"model.remat={config.model.remat!r}; expected one of {REMAT_POLICIES}")
+    if "bucket_lengths" in config.data:   # PRM and SFT batches (GRPO pads prompts to sampling.prompt_bucket)
+        buckets = tuple(config.data.bucket_lengths)
+        if list(buckets) != sorted(set(buckets)) or buckets[-1] > config.data.max_len:
+            raise ValueError(f"data.bucket_lengths={buckets} must be increasing and <= data.max_len")
+    if config.optim.total_steps < 1 or config.optim.lr <= 0:
+        raise ValueError("optim.total_steps must be >= 1 and optim.lr > 0")
+    for key in positive:
+        if config[key] < 1:
+            raise ValueError(f"{key} must be >= 1, got {config[key]}")
+    mesh_lib.resolve_mesh_shape(tuple(config.mesh_shape.values()), jax.device_count())
+    rules_lib.rules_dict(config.sharding_rules)
+
+
+def mesh_and_rules(config) -> tuple[Any, tuple]:
+    """The device mesh of ``config.mesh_shape`` and the logical-axis rules as tuples."""
+    return mesh_lib.make_mesh(config.mesh_shape.to_dict()), tuple(tuple(r) for r in config.sharding_rules)
+
+
+# -- state and jitted steps
+
+
+def create_state(model: nnx.Module, tx, mesh, rules) -> tuple[Any, TrainState, Any]:
+    """(graphdef, sharded TrainState, its shardings) for a built model."""
+    graphdef, params = nnx.split(model)
+    shardings = rules_lib.logical_to_sharding(jax.eval_shape(lambda p: init_state(p, tx), params), mesh, rules)
+    with jax.set_mesh(mesh):
+        state = jax.jit(lambda p: init_state(p, tx), out_shardings=shardings)(params)
+    return graphdef, state, shardings
+
+
+_PROGRAMS: dict[tuple, Callable] = {}
+
+
+def frozen(cfg) -> tuple:
+    """A hashable snapshot of a (nested) ConfigDict."""
+    return tuple(sorted((k, frozen(v) if hasattr(v, "items") else v) for k, v in cfg.items()))
+
+
+def cached_program(key: tuple, build: Callable[[], Callable]) -> Callable:
+    """One jitted program per ``key`` and process. ``key`` must hold everything the program depends on
+    (graphdef, hyperparameters, shardings); a resumed or repeated run in the same process then reuses
+    the compiled program instead of tracing and compiling a fresh ``jax.jit`` of a new partial."""
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = build()
+    return _PROGRAMS[key]
+
+
+def jit_state_step(step: Callable, key: tuple | None, state_sharding=None) -> Callable:
+    """``step(state, batch) -> (state, metrics)`` jitted with the state donated (and laid out as
+    ``state_sharding``); cached per process under ``key`` plus the shardings, or not cached when
+    ``key`` is None (the dry run's abstract state)."""
+    def build():
+        return jax.jit(step, donate_argnums=0, out_shardings=None if state_sharding is None else (state_sharding, None))
+    if key is None:
+        return build()
+    shardings = None if state_sharding is None else tuple(jax.tree.leaves(state_sharding))
+    return cached_program((*key, shardings), build)
+
+
+# -- the run
+
+
+def train_means(fetched: list[dict]) -> dict[str, float]:
+    """``train/<name>``: the mean of each metric over the fetched steps (or updates)."""
+    return {f"train/{k}": float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+
+
+@dataclasses.dataclass
+class Run:
+    """One trainer run in ``workdir``: start with ``Run.start``, then ``use_mesh``, ``resume``,
+    ``train`` and ``finish``."""
+
+    config: Any
+    workdir: pathlib.Path
+    main: bool
+    writer: MetricWriter
+    started: float
+    mesh: Any = None
+    rules: tuple = ()
+    checkpointer: ckpt_lib.Checkpointer | None = None
+    data_iterator: Any = None
+    run_record: dict | None = None     # caper_jax.runs.record, saved with every checkpoint
+
+    @classmethod
+    def start(cls, config, workdir: str | pathlib.Path) -> Run:
+        started = time.perf_counter()
+        multihost.initialize()
+        workdir = pathlib.Path(workdir)
+        main = multihost.is_main_process()
+        if main:
+            workdir.mkdir(parents=True, exist_ok=True)
+        return cls(config, workdir, main, MetricWriter(workdir, enabled=main), started)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def use_mesh(self) -> tuple[Any, tuple]:
+        """Makes the run's mesh and rules (after the data: building a world needs no devices)."""
+        self.mesh, self.rules = mesh_and_rules(self.config)
+        return self.mesh, self.rules
+
+    def resume(self, state: TrainState, data_iterator, *, run_record: dict) -> TrainState:
+        """The newest whole checkpoint's state, the iterator set to its position; else ``state``.
+        ``run_record`` (``caper_jax.runs.record``: architecture, tokenizer) is saved with every checkpoint."""
+        config = self.config
+        self.data_iterator = data_iterator
+        self.run_record = run_record
+        self.checkpointer = ckpt_lib.Checkpointer(self.workdir / "checkpoints", max_to_keep=config.ckpt_keep,
+                                                  save_interval_steps=config.ckpt_every)
+        restored = self.checkpointer.restore_latest(ckpt_lib.abstract_state(state), data_iterator=data_iterator)
+        if restored is None:
+            return state
+        multihost.log_main("resumed from step %d", restored.step)
+        return restored.state
+
+    def train(self, state: TrainState, step_fn: Callable[[TrainState, int], tuple[TrainState, Any]], *,
+              log_line: Callable[[dict], str], summarize: Callable[[list, float], dict] | None = None,
+              steps_per_s_key: str = "train/steps_per_s", evaluate: Callable[[TrainState], dict] | None = None,
+              eval_every: int = 0) -> TrainState:
+        """Steps ``state`` from its step to ``optim.total_steps``; returns it once the last save is done.
+
+        ``step_fn(state, step) -> (state, metrics)``. Every ``log_every`` steps (and the last) the metrics
+        since the previous log line are fetched and ``summarize(fetched, seconds)`` (default: their
+        ``train_means``) becomes the logged row, with the learning rate and steps/s added;
+        ``log_line(row)`` follows the progress on the log line. ``evaluate(state)``'s metrics are
+        written every ``eval_every`` steps but the last (the trainer's own final evaluation follows).
+        """
+        config = self.config
+        total = config.optim.total_steps
+        progress = Progress(total, int(state.step))
+        window, window_start = [], time.perf_counter()
+        with jax.set_mesh(self.mesh):
+            for step in range(int(state.step) + 1, total + 1):
+                state, metrics = step_fn(state, step)
+                window.append(metrics)
+                if step % config.log_every == 0 or step == total:
+                    fetched = jax.device_get(window)
+                    seconds, window_start = time.perf_counter() - window_start, time.perf_counter()
+                    window = []
+                    summary = summarize(fetched, seconds) if summarize else train_means(fetched)
+                    summary["train/lr"] = float(learning_rate(config.optim)(step))
+                    line = progress.update(step)
+                    summary[steps_per_s_key] = progress.steps_per_s
+                    self.writer.write(step, summary)
+                    multihost.log_main("%s%s", line, log_line(summary))
+                self.check_finite(state, step)
+                if evaluate is not None and step % eval_every == 0 and step != total:
+                    self.writer.write(step, evaluate(state))
+                self.checkpointer.save(step, state, data_iterator=self.data_iterator, config=config.to_dict(),
+                                       run=self.run_record, force=step == total)
+            self.checkpointer.wait()
+        return state
+
+    def check_finite(self, state: TrainState, step: int) -> None:
+        """Stops the run once more consecutive updates were refused as non-finite than the config allows."""
+        limit = self.config.optim.max_consecutive_nonfinite
+        if int(state.nonfinite) > limit:
+            self.checkpointer.close()
+            raise NonFiniteLossError(
+                f"step {step}: {int(state.nonfinite)} consecutive non-finite losses/gradients (limit "
+                f"{limit}); the updates were refused and the last good checkpoint in "
+                f"{self.workdir / 'checkpoints'} is intact. Lower optim.lr or check the data.")
+
+    def finish(self, metrics: dict | None, *, curves: list[str], png: str, title: str) -> None:
+        """Writes the final evaluation's ``metrics`` (if any) at the last step, closes the writer and the
+        checkpointer, and plots ``curves`` from metrics.jsonl (process 0)."""
+        if metrics is not None:
+            self.writer.write(self.config.optim.total_steps, metrics)
+        self.writer.close()
+        self.checkpointer.close()
+        if self.main:
+            plot_curves(read_metrics(self.workdir / "metrics.jsonl"), curves, self.workdir / png, title=title)
+
+
+def finish_policy_run(run: Run, results: dict, rows: list[dict], policy, tokenizer, *, curves: list[str],
+                      png: str, title: str) -> None:
+    """The end of an SFT or GRPO run: eval metrics, curves, results.json, predictions, HF export."""
+    run.finish({k: v for k, v in results.items() if k.startswith("eval/")} if "eval/n" in results else None,
+               curves=curves, png=png, title=title)
+    if run.main:
+        (run.workdir / "results.json").write_text(json.dumps(results, indent=1))
+        with (run.workdir / "predictions_eval.jsonl").open("w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    if run.config.export_hf:
+        from caper_jax.models import to_hf
+
+        out = to_hf(policy, policy.config, run.workdir / "hf_export")
+        if run.main:
+            tokenizer.save_pretrained(str(out))
+
+
+# -- dry run
+
+
+def dry_run(config, module: type[nnx.Module], make_step: Callable[[Any, Any], Callable],
+            make_batch: Callable[[Callable], dict], description: str) -> dict:
+    """Lowers + compiles a train step on abstract shapes for the current devices; no weights.
+
+    ``module(arch, rngs=, mesh=, rules=)`` is the model of ``config.model.preset``; ``make_step(graphdef,
+    tx)`` the jitted step; ``make_batch(struct)`` its batch, ``struct(shape, dtype)`` being an abstract
+    array with the batch sharding.
+    """
+    from caper_jax.models.presets import model_preset
+    from caper_jax.parallel.dry_run import report
+
+    mesh, rules = mesh_and_rules(config)
+    arch = model_preset(config.model.preset, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
+                        remat=config.model.remat)
+    tx = make_optimizer(config.optim)
+    graphdef, abstract = rules_lib.abstract_train_state(
+        lambda: module(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), lambda p: init_state(p, tx), mesh, rules)
+
+    def struct(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=multihost.batch_sharding(mesh, len(shape), rules))
+
+    batch = make_batch(struct)
+    step = make_step(graphdef, tx)
+    print(description)
+    return report(step, (abstract, batch), mesh, params=abstract.params)

@@ -1,0 +1,109 @@
+"""caper_jax.loop: the config rules the three trainers share (one rule each), and the run loop's
+logging, resume and non-finite stop on a toy state."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import optax
+import pytest
+
+from caper_jax import loop
+from caper_jax.utils.errors import NonFiniteLossError
+from caper_jax.utils.monitoring import read_metrics
+from caper_jax.utils.optim import init_state
+
+
+def _trainers():
+    from caper_jax.prm import trainer as prm
+    from caper_jax.rl import trainer as grpo
+    from caper_jax.sft import trainer as sft
+    from configs import grpo as grpo_config
+    from configs import prm as prm_config
+    from configs import sft as sft_config
+
+    return {"prm": (prm.validate, prm_config.get_config), "sft": (sft.validate, sft_config.get_config),
+            "grpo": (grpo.validate, grpo_config.get_config)}
+
+
+@pytest.mark.parametrize("trainer", ["prm", "sft"])
+def test_bucket_lengths_must_strictly_increase(trainer):
+    """One rule (SFT's): sorted and without repeats; the PRM check used to let (128, 128, 384) through."""
+    validate, get_config = _trainers()[trainer]
+    config = get_config()
+    validate(config)
+    top = config.data.bucket_lengths[-1]
+    for bad in [(top, top), (top, top // 2), (top // 2, top + 1)]:
+        config.data.bucket_lengths = bad
+        with pytest.raises(ValueError, match="must be increasing and <= data.max_len"):
+            validate(config)
+
+
+@pytest.mark.parametrize("trainer", ["prm", "sft", "grpo"])
+def test_unknown_preset_is_accepted_only_with_an_hf_dir(trainer):
+    """One rule (PRM's and SFT's): an HF directory brings its architecture; GRPO used to refuse it."""
+    validate, get_config = _trainers()[trainer]
+    config = get_config()
+    config.model.preset = "qwen35_0b"
+    with pytest.raises(ValueError, match="model.preset='qwen35_0b'; expected one of .* or model.hf_dir"):
+        validate(config)
+    config.model.hf_dir = "/ckpt/Qwen3.5"
+    validate(config)
+
+
+@pytest.mark.parametrize("trainer", ["prm", "sft", "grpo"])
+def test_shared_checks_refuse_the_same_way(trainer):
+    validate, get_config = _trainers()[trainer]
+    for field, value, message in [("model.remat", "some", "model.remat='some'; expected one of"),
+                                  ("data.kind", "bird", "data.kind='bird'; expected 'demo' or 'spider'"),
+                                  ("optim.lr", 0.0, "optim.lr > 0"), ("log_every", 0, "log_every must be >= 1"),
+                                  ("ckpt_every", 0, "ckpt_every must be >= 1")]:
+        config = get_config()
+        section, _, key = field.rpartition(".")
+        (config[section] if section else config)[key] = value
+        with pytest.raises(ValueError, match=message):
+            validate(config)
+
+
+def _toy_run(tmp_path, total_steps=5):
+    """A Run over a three-number state (no model): what the loop does around any trainer's step."""
+    from ml_collections import ConfigDict
+
+    config = ConfigDict({"log_every": 2, "ckpt_every": 2, "ckpt_keep": 2, "sharding_rules": (),
+                         "mesh_shape": {"data": 1, "fsdp": -1, "tensor": 1},
+                         "optim": {"total_steps": total_steps, "lr": 0.1, "warmup_steps": 0,
+                                   "max_consecutive_nonfinite": 1}})
+    run = loop.Run.start(config, tmp_path / "run")
+    run.use_mesh()
+    state = init_state({"w": jnp.zeros(3)}, optax.sgd(0.1))
+    return run, run.resume(state, None, run_record=None)
+
+
+def _count(state, step):
+    state = state.replace(step=state.step + 1, params={"w": state.params["w"] + 1})
+    return state, {"loss": jnp.float32(step)}
+
+
+def test_loop_logs_window_means_and_resumes(tmp_path):
+    run, state = _toy_run(tmp_path)
+    state = run.train(state, _count, log_line=lambda s: f"  loss {s['train/loss']:.1f}")
+    run.finish(None, curves=["train/loss"], png="loss.png", title="toy")
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [(r["step"], r["train/loss"]) for r in rows] == [(2, 1.5), (4, 3.5), (5, 5.0)]
+    assert list(rows[0]) == ["step", "train/loss", "train/lr", "train/steps_per_s"]
+
+    run, state = _toy_run(tmp_path, total_steps=6)
+    assert int(state.step) == 5 and float(state.params["w"][0]) == 5.0
+    run.train(state, _count, log_line=lambda s: "")
+    run.finish(None, curves=[], png="loss.png", title="toy")
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [2, 4, 5, 6]
+
+
+def test_loop_stops_on_consecutive_refused_updates(tmp_path):
+    run, state = _toy_run(tmp_path)
+
+    def refuse(state, step):
+        return state.replace(step=state.step + 1, nonfinite=state.nonfinite + 1), {"loss": jnp.float32(jnp.nan)}
+
+    with pytest.raises(NonFiniteLossError, match=r"step 2: 2 consecutive non-finite losses/gradients \(limit 1\); "
+                                                 r"the updates were refused and the last good checkpoint in .*"
+                                                 r"checkpoints is intact\. Lower optim.lr or check the data\."):
+        run.train(state, refuse, log_line=lambda s: "")
