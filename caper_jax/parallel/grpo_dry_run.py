@@ -84,7 +84,7 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) 
     from caper_jax.utils.optim import init_state, make_optimizer
 
     rules = tuple(tuple(r) for r in config.sharding_rules)
-    runtime = rl._runtime(config.model)
+    runtime = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat)
     arch = model_preset(config.model.preset, **runtime)
     tx = make_optimizer(config.optim)
     graphdef, state = rules_lib.abstract_train_state(
