@@ -190,8 +190,8 @@ def test_every_stage_runs_and_a_rerun_resumes_without_redoing_work(tmp_path):
     dev = [json.loads(line) for line in (out / "prm_data" / "predictions_dev.jsonl").read_text().splitlines()]
     assert all(len(d["samples"]) == 2 and "clause_logprob" in d for d in dev)
     # The PRM started from the SFT run; the reranker was picked on training questions.
-    from caper_jax.eval import restore
-    prm_config = restore.stored_config(restore.latest_whole_step(restore.checkpoints_dir(out / "prm")))
+    from caper_jax import runs
+    prm_config = runs.read_run(out / "prm").config
     assert prm_config["model"]["init_from"] == str(out / "sft")
     pick = json.loads((out / "rerank_pick.json").read_text())
     assert pick["split"] == "train" and results["rerank_aggregate"] == pick["picked"]
