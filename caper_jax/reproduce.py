@@ -45,10 +45,10 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from caper_jax.parallel import multihost
+from caper_jax.rl.rewards import VARIANTS
 
 log = logging.getLogger("caper_jax")
 
-VARIANTS = ("sparse", "token", "clause")
 STAGE_ORDER = ("world", "sft", "eval_sft", "samples", "confidence", "prm", "pick", "rerank_sft", "grpo", "eval",
                "report")
 PRM_INITS = ("sft", "random")
