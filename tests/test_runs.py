@@ -1,0 +1,167 @@
+"""caper_jax.runs: a saved run round-trips through load_run; a partial, corrupt or mismatched run is one
+CheckpointError; convert hf-to-orbax writes a run that load_run reads and a trainer starts from.
+
+References: the arrays that were saved (bit comparisons), and ``from_hf`` of the converted HF directory.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from caper_jax import checkpoint as ckpt_lib
+from caper_jax import convert, runs
+from caper_jax.models import Qwen35ForCausalLM, from_hf
+from caper_jax.models.presets import model_preset
+from caper_jax.parallel import mesh as mesh_lib
+from caper_jax.parallel.rules import DEFAULT_RULES
+from caper_jax.utils.errors import CheckpointError
+from caper_jax.utils.optim import init_state, make_optimizer
+from tests.helpers import build_hf_model, run_command
+
+RULES = tuple(tuple(r) for r in DEFAULT_RULES)
+VOCAB = 72   # not the tiny preset's: the record, not the preset, must give it
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
+
+
+def _sft_config():
+    from configs.sft import get_config
+
+    config = get_config()
+    config.model.preset = "small"   # the record (tiny) wins over the config's preset
+    return config
+
+
+def _save_run(workdir, state, config, arch, *, step=4, tokenizer_dir=None):
+    with ckpt_lib.Checkpointer(workdir / "checkpoints", async_save=False) as checkpointer:
+        checkpointer.save(step, state, config=config.to_dict(), run=runs.record(arch, tokenizer_dir), force=True)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    """An SFT-layout run: a tiny policy after one real optimizer step (non-zero moments), with its record."""
+    config = _sft_config()
+    arch = model_preset("tiny", vocab_size=VOCAB, param_dtype="float32")
+    model = Qwen35ForCausalLM(arch, rngs=nnx.Rngs(5))
+    tx = make_optimizer(config.optim)
+    state = init_state(nnx.state(model), tx)
+    grads = jax.tree.map(lambda x: np.full(x.shape, 0.01, x.dtype), state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    state = state.replace(step=state.step + 1, opt_state=opt_state)
+    root = tmp_path_factory.mktemp("runs")
+    (root / "tok").mkdir()
+    workdir = _save_run(root / "sft", state, config, arch, tokenizer_dir=root / "tok")
+    return workdir, state, arch
+
+
+def _assert_trees_equal(a, b):
+    flat_a, flat_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(flat_a) == len(flat_b) and flat_a
+    for x, y in zip(flat_a, flat_b):
+        np.testing.assert_array_equal(np.asarray(jax.device_get(x)), np.asarray(jax.device_get(y)))
+
+
+def test_a_saved_run_round_trips_params_and_full_state(sft_run, mesh):
+    workdir, state, arch = sft_run
+    run = runs.load_run(workdir, mesh=mesh, rules=RULES, trainers=runs.POLICY_TRAINERS)
+    assert run.recorded and run.step == 4 and run.trainer == "sft" and run.state is None
+    assert run.model_config == arch and run.tokenizer_dir == workdir.parent / "tok"
+    assert isinstance(run.model, Qwen35ForCausalLM) and run.model.config.vocab_size == VOCAB
+    _assert_trees_equal(nnx.state(run.model), state.params)
+    full = runs.load_run(workdir / "checkpoints", mesh=mesh, rules=RULES, what="state", step=4)
+    assert int(full.state.step) == 1
+    _assert_trees_equal(full.state, state)
+    # The run-time fields are the reader's; the architecture is the record's.
+    bf16 = runs.load_run(workdir, mesh=mesh, rules=RULES, dtype="bfloat16", remat="full")
+    assert bf16.model_config == arch.replace(dtype="bfloat16", remat="full")
+
+
+def test_partial_corrupt_and_mismatched_runs_are_one_clear_error(sft_run, mesh, tmp_path):
+    workdir, state, arch = sft_run
+
+    def copy(name):
+        shutil.copytree(workdir, tmp_path / name)
+        return tmp_path / name, tmp_path / name / "checkpoints" / "4"
+
+    partial, step_dir = copy("partial")
+    (step_dir / ckpt_lib.MANIFEST).unlink()                      # as a save killed before its commit
+    corrupt, step_dir = copy("corrupt")
+    chunk = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    mismatched, step_dir = copy("mismatched")
+    record = json.loads((step_dir / runs.RUN_ITEM / "metadata").read_text())
+    record["model"]["hidden_size"] = 64
+    (step_dir / runs.RUN_ITEM / "metadata").write_text(json.dumps(record))
+    ckpt_lib.write_manifest(step_dir, 4)                          # a whole checkpoint, with a wrong record
+    old_convert = tmp_path / "old_convert"
+    (old_convert / "params").mkdir(parents=True)
+    (old_convert / "config.json").write_text("{}")
+    cases = [(partial, {}, "no whole checkpoint"),
+             (corrupt, {}, "no whole checkpoint"),
+             (mismatched, {}, "stored parameters do not fit"),
+             (workdir, {"trainers": ("prm",)}, "'sft' trainer, not Clause-PRM"),
+             (workdir, {"step": 9}, "has no step 9"),
+             (tmp_path / "absent", {}, "does not exist"),
+             (old_convert, {}, "older `convert hf-to-orbax`")]
+    for path, kwargs, message in cases:
+        with pytest.raises(CheckpointError, match=message):
+            runs.load_run(path, mesh=mesh, rules=RULES, **kwargs)
+    assert issubclass(CheckpointError, ValueError)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("convert")
+    build_hf_model("untied").save_pretrained(root / "hf")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert run_command(convert, "hf-to-orbax", "--hf_dir", root / "hf", "--out", root / "orbax") == 0
+    return root / "hf", root / "orbax"
+
+
+def test_converted_hf_model_is_a_run(converted, mesh):
+    hf_dir, out = converted
+    run = runs.load_run(out, mesh=mesh, rules=RULES, trainers=runs.POLICY_TRAINERS)
+    reference, config = from_hf(hf_dir)
+    assert run.trainer == runs.CONVERTED and run.recorded and run.model_config == config
+    _assert_trees_equal(nnx.state(run.model), nnx.state(reference))
+    with pytest.raises(CheckpointError, match="parameters only"):
+        runs.load_run(out, mesh=mesh, rules=RULES, what="state")
+
+
+def test_a_trainer_starts_from_a_converted_model(converted, mesh):
+    """PRM ``model.init_from`` and GRPO ``policy.sft_workdir`` accept the conversion as an SFT run."""
+    from configs.grpo import get_config as grpo_config
+    from configs.prm import get_config as prm_config
+
+    from caper_jax.prm import trainer as prm_trainer
+    from caper_jax.rl import trainer as rl_trainer
+
+    hf_dir, out = converted
+    reference, config = from_hf(hf_dir)
+    prm = prm_config()
+    prm.model.init_from = str(out)
+    prm_trainer.validate(prm)
+    model = prm_trainer.build_model(prm, config.vocab_size, mesh, RULES)
+    ours = dict(nnx.to_flat_state(nnx.state(model.backbone)))
+    for path, value in nnx.to_flat_state(nnx.state(reference)):
+        if path[0] != "lm_head":   # the PRM reads no vocabulary logits: an untied head is dropped
+            np.testing.assert_array_equal(np.asarray(ours[path][...]), np.asarray(value[...]), err_msg=str(path))
+    with pytest.raises(CheckpointError, match="a different tokenizer"):
+        prm_trainer.check_init_from(prm, vocab_size=config.vocab_size + 1)
+    grpo = grpo_config()
+    grpo.policy.sft_workdir = str(out)
+    policy = rl_trainer.load_policy(grpo, config.vocab_size, mesh, RULES)
+    _assert_trees_equal(nnx.state(policy), nnx.state(reference))
