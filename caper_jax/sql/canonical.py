@@ -139,16 +139,23 @@ def canonicalize(sql: str | exp.Expression, schema: AnySchema | None = None, *,
     except (SqlglotError, KeyError, ValueError):
         qualified = False
         tree = normalize_identifiers(tree, dialect=DIALECT)
-    aliases = {canonical: written.get(alias, alias)
-               for canonical, alias in _rename_table_instances(tree).items()}
-    _drop_projection_aliases(tree)
     rules = equivalences.ALL if rules is None else rules
     if rules:
         if facts is None and isinstance(schema_arg, Schema):
             facts = equivalences.SchemaFacts.from_schema(schema_arg)
         elif facts is None and schema_arg is not None:
             facts = equivalences.SchemaFacts.from_mapping(schema_arg)
-        equivalences.apply_rules(tree, facts, rules)
+    try:
+        aliases = {canonical: written.get(alias, alias)
+                   for canonical, alias in _rename_table_instances(tree).items()}
+        _drop_projection_aliases(tree)
+        if rules:
+            equivalences.apply_rules(tree, facts, rules)
+    except SqlglotError as e:
+        # SQLite runs queries sqlglot cannot scope (one alias for two tables of a FROM, as a sampled
+        # policy query on Spider wrote: ``FROM a AS t2 JOIN b AS t2``); with no scopes there is no
+        # canonical form, so the query is handled as one the annotator cannot analyse.
+        raise CanonicalizeError(f"cannot resolve the query's tables: {e}") from e
     return Canonical(tree=tree, qualified=qualified, aliases=aliases)
 
 

@@ -281,3 +281,21 @@ def test_a_runaway_prediction_is_localised_in_bounded_time(spider):
         elapsed = time.monotonic() - start
     assert not result.correct and result.pred_error_kind in ("timeout", "too_many_rows")
     assert result.root_clause in ("WITH", "FROM") and elapsed < 5.0, (result, elapsed)
+
+
+def test_a_query_sqlglot_cannot_scope_is_localised_by_its_text(db):
+    """SQLite runs one alias for two tables (a sampled policy query on Spider wrote ``AS t2`` twice);
+    sqlglot cannot resolve its scopes, so it has no canonical form: the annotator blames the first
+    clause whose text differs from gold's instead of stopping on sqlglot's OptimizeError."""
+    from caper_jax.sql import canonical
+
+    gold = ("SELECT T2.name FROM singer_in_concert AS T1 JOIN singer AS T2 ON T1.singer_id = T2.singer_id "
+            "WHERE T1.concert_id = 1")
+    pred = "SELECT name FROM singer_in_concert AS t2 JOIN singer AS t2 ON concert_id = 1"
+    executor, _ = db
+    assert executor.execute(pred).ok   # SQLite runs it (18 rows)
+    with pytest.raises(canonical.CanonicalizeError, match="cannot resolve the query's tables"):
+        canonical.canonicalize(pred)
+    result = run(db, gold, pred)
+    assert (result.correct, result.root_clause, result.reason) == (False, "SELECT", "parse_error")
+    assert result.clause_rewards["SELECT"] == -1.0
