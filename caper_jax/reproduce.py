@@ -928,10 +928,26 @@ def collect_verifier(config: ConfigDict, out: pathlib.Path) -> dict:
         "rerank_aggregate": how,
         "rerank_pick": pick,
         "oracle": pool["any"],
+        "rerank_minus_mv": rerank_minus_vote(out / "verify_choices.jsonl"),
         "k": len(config.data.systems),
         "pair_accuracy": prm["metrics"].get("eval/pair_accuracy"),
         "n_train_tuples_file": str(out / "prm" / "tuples"),
     }
+
+
+def rerank_minus_vote(choices_path: pathlib.Path) -> dict[str, dict]:
+    """Per selector: EX of its pick minus EX of the majority vote's, paired over the same dev questions,
+    with the 95 % t-interval of the mean difference (``verify --output`` lines: each selector's pick and
+    every candidate's verdict)."""
+    rows = [json.loads(line) for line in choices_path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("candidate_correct")]
+    vote = [float(r["candidate_correct"][r["vote_choice"]]) for r in rows]
+    out = {}
+    for selector in (rows[0]["choices"] if rows else {}):
+        picked = [float(r["candidate_correct"][r["choices"][selector]]) for r in rows]
+        interval = paired_interval(picked, vote)
+        out[selector] = {k: interval[k] for k in ("mean", "lo", "hi", "n", "confidence")}
+    return out
 
 
 def write_verifier_report(results: dict, out: pathlib.Path) -> None:
@@ -961,10 +977,16 @@ def write_verifier_report(results: dict, out: pathlib.Path) -> None:
                      f"{100 * (loc['prm']['top1'] - loc[fair]['top1']):+.1f} points (n = {loc['prm']['n']}; "
                      "paper: 84.53 % top-1).")
     if n:
-        se = 100 * (0.8 * 0.2 / n) ** 0.5
+        paired = results["rerank_minus_mv"].get(how)
+        interval = (f", 95 % interval [{100 * paired['lo']:+.1f}, {100 * paired['hi']:+.1f}] paired over the "
+                    f"{paired['n']} questions" if paired and paired["lo"] is not None else "")
         lines.append(f"- PRM rerank ({how}, picked on training questions) minus MV@{k}: "
-                     f"{100 * (results['rerank'][how] - results['mv']):+.1f} EX points (paper: +0.7 to +1.6); one "
-                     f"question is {100 / n:.2f} points, a binomial standard error at 80 % EX ±{se:.1f}.")
+                     f"{100 * (results['rerank'][how] - results['mv']):+.1f} EX points{interval} (paper: +0.7 to "
+                     f"+1.6); one question is {100 / n:.2f} points.")
+        lines += ["\n## PRM rerank minus MV@k, paired per question (EX points, 95 % t-interval)\n",
+                  "| selector | difference | interval |", "|---|---|---|",
+                  *[f"| {sel} | {100 * d['mean']:+.1f} | [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}] |"
+                    for sel, d in results["rerank_minus_mv"].items() if d["lo"] is not None]]
     lines += ["\n## Wall time per stage (s)\n", "| stage | seconds |", "|---|---|",
               *[f"| {s} | {results['seconds'][s]:.0f} |" for s in VERIFIER_STAGES if s in results["seconds"]]]
     (out / "results.md").write_text("\n".join(lines) + "\n")

@@ -212,3 +212,23 @@ def test_every_stage_runs_and_a_rerun_resumes_without_redoing_work(tmp_path):
     for stage in ("sft", "samples", "prm", "grpo", "eval"):   # done stages cost nothing the second time
         assert again[stage] - seconds[stage] < 1.0, (stage, seconds[stage], again[stage])
     assert json.loads((out / "results.json").read_text())["ex"] == results["ex"]
+
+
+def test_rerank_minus_vote_is_paired_per_question(tmp_path):
+    """Hand-computed: 4 questions; min picks right where the vote is wrong once and wrong where it is
+    right once (difference 0), vote_min agrees with the vote everywhere but on one gain (+1/4)."""
+    rows = [  # candidate verdicts, the vote's pick, each selector's pick
+        ([True, False], 1, {"min": 0, "vote_min": 0}),
+        ([True, False], 0, {"min": 1, "vote_min": 0}),
+        ([False, True], 1, {"min": 1, "vote_min": 1}),
+        ([False, False], 0, {"min": 0, "vote_min": 0}),
+    ]
+    path = tmp_path / "choices.jsonl"
+    path.write_text("".join(json.dumps({"candidate_correct": c, "vote_choice": v, "choices": ch}) + "\n"
+                            for c, v, ch in rows) + json.dumps({"correct": None, "excluded": "missing_db"}) + "\n")
+    paired = reproduce.rerank_minus_vote(path)
+    assert paired["min"]["n"] == paired["vote_min"]["n"] == 4
+    assert paired["min"]["mean"] == 0.0 and paired["vote_min"]["mean"] == 0.25
+    # differences (0, 0, 0, 1): sd 0.5, t(0.975, 3) = 3.182 -> half-width 3.182 * 0.5 / 2
+    assert paired["vote_min"]["lo"] == pytest.approx(0.25 - 0.7955, abs=1e-3)
+    assert paired["vote_min"]["hi"] == pytest.approx(0.25 + 0.7955, abs=1e-3)

@@ -30,6 +30,7 @@ def test_fast_verifier_runs_every_stage(tmp_path):
     assert results["first"] == pytest.approx(results["ex_alone"][SYSTEMS[0]])   # verify vs evaluate ex
     assert all(v <= results["oracle"] for v in results["ex_alone"].values())
     assert set(results["rerank"]) == SELECTORS and results["rerank_aggregate"] in SELECTORS
+    assert set(results["rerank_minus_mv"]) == SELECTORS
     assert results["rerank_pick"]["split"] == "train"
     loc = results["localization"]
     assert loc, "no real failure was localised"

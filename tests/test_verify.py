@@ -205,6 +205,13 @@ def test_rerank_ex_by_hand_and_against_evaluate_ex(spider, spider_lines, tmp_pat
         else:
             assert row["sql"] != GARBAGE  # -inf is never chosen over a parseable candidate
             assert row["correct"] is (row["sql"] in golds)
+        assert row["candidate_correct"] == [sql in golds for sql in row["candidates"]]
+        assert row["choices"]["min"] == row["chosen"]
+    # Each selector's picks in the output lines give the summary's EX (the paired comparisons use them).
+    scored = rows[:-1]
+    for how, rate in summary["prm_by_aggregate"].items():
+        assert np.mean([r["candidate_correct"][r["choices"][how]] for r in scored]) == pytest.approx(rate)
+    assert np.mean([r["candidate_correct"][r["vote_choice"]] for r in scored]) == pytest.approx(summary["vote"])
 
 
 def test_random_prm_keeps_a_consistent_ex_accounting(spider, spider_lines, scorer, tmp_path):

@@ -184,10 +184,15 @@ def _output_row(line: dict, how: str) -> dict:
     chosen = scoring.best_index(line["scores"], how)
     sql = prediction.candidates[chosen]
     scores = line["scores"][chosen]
+    # Every selector's pick and every candidate's verdict: paired comparisons between selectors
+    # (PRM rerank vs majority vote on the same questions) are computed from these lines.
+    choices = {sel: scoring.select(line["scores"], sel, line["classes"]) for sel in scoring.SELECTORS}
     return {**prediction.record, "sql": sql, "chosen": chosen, "correct": line["right"][chosen],
             "clauses": [[name, _json_float(s)] for name, s in zip(scoring.clause_names(sql), scores)],
             "score": _json_float(scoring.aggregate(scores, how)),
-            "candidate_scores": [_json_float(scoring.aggregate(s, how)) for s in line["scores"]]}
+            "candidate_scores": [_json_float(scoring.aggregate(s, how)) for s in line["scores"]],
+            "candidate_correct": [bool(r) for r in line["right"]], "vote_choice": int(line["vote"]),
+            "choices": {sel: int(i) for sel, i in choices.items()}}
 
 
 def _json_float(x: float) -> float | str | None:

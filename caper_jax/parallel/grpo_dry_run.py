@@ -1,7 +1,7 @@
 """Dry run of one whole GRPO step: every program it runs, lowered and compiled on abstract inputs.
 
-One step of ``caper_jax.rl.trainer.run`` runs these device programs, in this order (the host-side
-decoding, clause splitting and SQL execution in between allocate nothing on the devices):
+One step of ``caper_jax.rl.trainer.run`` runs these device programs (``caper_jax.rl.step``), in this order
+(the host-side decoding, clause splitting and SQL execution in between allocate nothing on the devices):
 
   1. ``prefill``   sampler ``_prefill``: the policy reads the left-padded prompts (rows = prompts × G)
                    and creates the KV / conv / recurrent caches for prompt + new tokens;
@@ -79,7 +79,7 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) 
     from caper_jax.models.sampler import SamplingConfig, _decode, _prefill
     from caper_jax.policy.logprobs import jit_completion_logprobs
     from caper_jax.prm.model import ClausePRM
-    from caper_jax.rl import trainer as rl
+    from caper_jax.rl import step as rl_step
     from caper_jax.rl.rewards import reward_variant
     from caper_jax.utils.optim import init_state, make_optimizer
 
@@ -141,7 +141,7 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) 
                 tokens=rows * (new - 1), n_rows=rows, static={"config": sampling}, trips=new - 1)
     ids = _split(mesh, rules, (rows, full), jnp.int32)
     if "prm" in programs and use_prm:
-        run("prm", rl.prm_token_scores, (prm_params, ids, ids), uses=("prm_params",), tokens=rows * full,
+        run("prm", rl_step.prm_token_scores, (prm_params, ids, ids), uses=("prm_params",), tokens=rows * full,
             n_rows=rows, static={"graphdef": prm_graphdef})
     if "reference" in programs and use_ref:
         run("reference", jit_completion_logprobs, (state.params, ids, ids), uses=("reference_params",),
@@ -156,7 +156,7 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) 
               "advantages": _split(mesh, rules, (minibatch, new), jnp.float32)}
         if use_ref:
             mb["ref_logp"] = _split(mesh, rules, (minibatch, new), jnp.float32)
-        run("update", rl.jit_update(graphdef, tx, config, state_sharding), (state, mb),
+        run("update", rl_step.jit_update(graphdef, tx, config, state_sharding), (state, mb),
             uses=("policy_params", "optimizer_state"), tokens=minibatch * full, n_rows=minibatch,
             calls=config.rl.update_epochs * config.rl.num_minibatches)
     return {"programs": figures, "persistent": persistent, "devices": mesh.size, "mesh": dict(mesh.shape),

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import jax
@@ -20,8 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from caper_jax.models.sampler import SampleOutput, SamplingConfig, generate
+from caper_jax.parallel import multihost
 from caper_jax.parallel.multihost import fetch
 from caper_jax.sft.data import prompt_batch
+from caper_jax.utils.monitoring import Progress
+
+PROGRESS_EVERY_S = 30.0   # seconds between two progress lines of a long decode
 
 
 def sample(model, prompt_ids: jax.Array, prompt_mask: jax.Array, key: jax.Array,
@@ -62,6 +67,8 @@ def _texts(model, tokenizer, prompts: Sequence[str], config: SamplingConfig, key
            max_prompt_len: int, batch_size: int) -> list[str]:
     """One completion's text per prompt, ``batch_size`` prompts at a time (module docstring)."""
     texts: list[str] = []
+    batches = -(-len(prompts) // batch_size)
+    progress, last_line = Progress(batches), time.perf_counter()
     for batch_index, start in enumerate(range(0, len(prompts), batch_size)):
         chunk = list(prompts[start:start + batch_size])
         real = len(chunk)
@@ -72,6 +79,11 @@ def _texts(model, tokenizer, prompts: Sequence[str], config: SamplingConfig, key
         for b in range(real):
             ids_b = completion_tokens(tokens[b], lengths[b], config.stop_tokens)
             texts.append(decode_with_offsets(tokenizer, ids_b)[0])
+        if time.perf_counter() - last_line >= PROGRESS_EVERY_S or batch_index + 1 == batches > 1:
+            # Thousands of prompts take many minutes on CPU: say how far, as the trainers do.
+            line = progress.update(batch_index + 1).replace("step", "batch", 1).replace("steps/s", "batches/s")
+            multihost.log_main("decoding %d prompts: %s", len(prompts), line)
+            last_line = time.perf_counter()
     return texts
 
 

@@ -19,7 +19,6 @@ prompt batch; device arrays are global, host-side scoring is repeated per host (
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
 
@@ -27,7 +26,6 @@ import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from caper_jax import loop, runs
@@ -36,11 +34,11 @@ from caper_jax.parallel import multihost
 from caper_jax.policy import rollout as rollout_lib
 from caper_jax.policy import sampling as sampling_lib
 from caper_jax.policy.build import build_policy
-from caper_jax.policy.logprobs import completion_logprobs, jit_completion_logprobs
-from caper_jax.utils.optim import TrainState, guarded_update, make_optimizer
-from caper_jax.rl.advantages import clause_advantages
-from caper_jax.rl.losses import AGGREGATIONS, grpo_loss
-from caper_jax.rl.rewards import layout_rewards, reward_variant
+from caper_jax.policy.logprobs import jit_completion_logprobs
+from caper_jax.utils.optim import make_optimizer
+from caper_jax.rl.losses import AGGREGATIONS
+from caper_jax.rl.rewards import reward_variant
+from caper_jax.rl.step import advantages_from_rewards, jit_update, prm_token_scores
 from caper_jax.sft import data as data_lib
 from caper_jax.utils.errors import CheckpointError
 
@@ -83,69 +81,6 @@ def load_prm(config, vocab_size: int, mesh, rules):
     _check_vocab("PRM", prm.config.vocab_size, vocab_size)
     multihost.log_main("Clause-PRM: %s step %d", config.prm.workdir, run.step)
     return prm
-
-
-# -- jitted pieces
-
-
-def update_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientTransformation, beta: float,
-                agg: str, eps_low: float, eps_high: float, temperature: float, chunk_size: int
-                ) -> tuple[TrainState, dict]:
-    """One GRPO optimizer step on a minibatch; refuses (keeps the state) on a non-finite loss/gradient."""
-    completion_len = batch["completion_mask"].shape[1]
-
-    def loss_fn(params):
-        logp, entropy = completion_logprobs(params, batch["input_ids"], batch["attention_mask"], graphdef=graphdef,
-                                            completion_len=completion_len, temperature=temperature,
-                                            chunk_size=chunk_size, return_entropy=True)
-        return grpo_loss(logp, batch["old_logp"], batch.get("ref_logp"), batch["advantages"],
-                         batch["completion_mask"], eps_low=eps_low, eps_high=eps_high, beta=beta, agg=agg,
-                         entropy=entropy)
-
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    new_state, guard = guarded_update(state, loss, grads, tx, advance_step=False)   # run() counts outer steps
-    return new_state, {**guard, **metrics}
-
-
-def jit_update(graphdef, tx, config, state_sharding=None):
-    """The jitted update for ``config`` (state donated), cached per process (``loop.jit_state_step``)."""
-    update = functools.partial(
-        update_step, graphdef=graphdef, tx=tx, beta=float(config.rl.beta), agg=config.rl.agg,
-        eps_low=float(config.rl.eps_low), eps_high=float(config.rl.eps_high),
-        temperature=float(config.sampling.temperature), chunk_size=config.chunk_size)
-    key = ("grpo", graphdef, loop.frozen(config.optim), loop.frozen(config.rl), float(config.sampling.temperature),
-           int(config.chunk_size))
-    return loop.jit_state_step(update, key, state_sharding)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def prm_token_scores(params, input_ids, attention_mask, *, graphdef):
-    """The frozen Clause-PRM's ``[B, T]`` per-prefix scores in one forward."""
-    return nnx.merge(graphdef, params).token_scores(input_ids, attention_mask)
-
-
-@functools.partial(jax.jit, static_argnames=("variant", "group_size", "scale_by_std"))
-def advantages_from_rewards(prm_scores, clause_ends, exec_rewards, completion_mask, parse_ok, *, variant: str,
-                            group_size: int, gamma: float, prm_weight: float, exec_failure_reward: float,
-                            format_penalty: float, scale_by_std: bool) -> tuple[jax.Array, dict]:
-    """``layout_rewards(variant)`` -> ``clause_advantages``: token advantages [B, N] and unit statistics."""
-    rewards, unit_mask, token_unit = layout_rewards(
-        variant, prm_scores, clause_ends, exec_rewards, completion_mask, parse_ok, prm_weight=prm_weight,
-        exec_failure_reward=exec_failure_reward, format_penalty=format_penalty)
-    adv = clause_advantages(rewards, unit_mask, token_unit, completion_mask, group_size, gamma,
-                            scale_by_std=scale_by_std)
-    valid = unit_mask.astype(jnp.float32)
-    count = jnp.maximum(valid.sum(), 1.0)
-    mean = (rewards * valid).sum() / count
-    grouped = exec_rewards.reshape(-1, group_size)
-    stats = {
-        "unit_reward_mean": mean,
-        "unit_reward_std": jnp.sqrt((((rewards - mean) * valid) ** 2).sum() / count),
-        "units_per_sample": valid.sum(axis=1).mean(),
-        "groups_with_exec_signal": (grouped.max(axis=1) > grouped.min(axis=1)).mean(),
-        "abs_advantage": jnp.abs(adv).sum() / jnp.maximum(completion_mask.sum(), 1),
-    }
-    return adv, stats
 
 
 # -- data

@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 from caper_jax.utils.optim import init_state, make_optimizer
+from caper_jax.rl import step as rl_step
 from caper_jax.rl import trainer as T
 from caper_jax.utils.monitoring import read_metrics
 from tests.sft import persistent_compile_cache
@@ -80,7 +81,7 @@ def update_setup(world):
                                  graphdef=graphdef, completion_len=new, temperature=1.0, chunk_size=config.chunk_size)
     fresh_state = jax.jit(lambda p: init_state(p, tx), out_shardings=shardings)  # the e2e runs' layout
     return dict(params=state.params, fresh_state=fresh_state, ids=ids, attention=attention, new=new,
-                logprobs=logprobs, mesh=mesh, update=T.jit_update(graphdef, tx, config, shardings))
+                logprobs=logprobs, mesh=mesh, update=rl_step.jit_update(graphdef, tx, config, shardings))
 
 
 def update_once(setup, exec_rewards):
@@ -90,7 +91,7 @@ def update_once(setup, exec_rewards):
         before = jax.tree.map(np.asarray, state.params)
         completion = jnp.ones((2, setup["new"]), jnp.int32)
         old_logp = setup["logprobs"](state.params)
-        adv, _ = T.advantages_from_rewards(
+        adv, _ = rl_step.advantages_from_rewards(
             jnp.zeros((2, setup["new"])), jnp.full((2, 8), -1, jnp.int32), jnp.asarray(exec_rewards, jnp.float32),
             completion, jnp.ones(2, bool), variant="sparse", group_size=2, gamma=1.0, prm_weight=1.0,
             exec_failure_reward=0.0, format_penalty=0.0, scale_by_std=True)
