@@ -155,6 +155,7 @@ def test_bad_reproduce_config_is_one_clear_error(args, message, tmp_path):
     assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.slow   # an end-to-end run or a large compile: CI runs it, `-m "not slow"` skips it
 def test_every_stage_runs_and_a_rerun_resumes_without_redoing_work(tmp_path):
     """configs/reproduce.py:fast (toy steps, 2 variants x 1 seed): every stage's output exists and the
     report holds what the issue asks for; a second run finds everything done and only rewrites the report."""

@@ -15,6 +15,7 @@ from tests.helpers import REPO, require, run_train, spider_dir
 SELECTORS = {"min", "mean", "last", "vote_min", "vote_mean", "vote_last"}
 
 
+@pytest.mark.slow   # an end-to-end run or a large compile: CI runs it, `-m "not slow"` skips it
 def test_fast_verifier_runs_every_stage(tmp_path):
     require(spider_dir() / "train_no_db" / "train_spider_questions.json")
     require(spider_dir().parent / "spider_predictions" / "PROVENANCE.md")

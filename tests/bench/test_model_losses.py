@@ -9,6 +9,7 @@ from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.models.presets import model_preset
 
 
+@pytest.mark.slow   # an end-to-end run or a large compile: CI runs it, `-m "not slow"` skips it
 def test_chunked_and_full_logits_losses_agree_with_a_naive_cross_entropy():
     from bench.model import make_train_step
 

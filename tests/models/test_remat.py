@@ -3,6 +3,7 @@ loss and gradients as no remat, with its own program structure (a scan over the 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from caper_jax.models import Qwen35Config, Qwen35ForCausalLM
@@ -32,6 +33,7 @@ def test_kind_runs_group_consecutive_layers():
     assert _kind_runs(("full_attention", "linear_attention", "full_attention")) == [[0], [1], [2]]
 
 
+@pytest.mark.slow   # an end-to-end run or a large compile: CI runs it, `-m "not slow"` skips it
 def test_remat_layers_gives_the_gradients_of_no_remat():
     ref_loss, ref_grads, _ = _loss_and_grads("none")
     loss, grads, jaxpr = _loss_and_grads("layers")

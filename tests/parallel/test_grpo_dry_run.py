@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -26,6 +28,7 @@ def _child() -> dict:
     return out
 
 
+@pytest.mark.slow   # an end-to-end run or a large compile: CI runs it, `-m "not slow"` skips it
 def test_grpo_step_programs_and_resident_memory():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")

@@ -26,6 +26,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TOTAL_STEPS = 5
@@ -107,6 +108,7 @@ def _safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
     return load_file(str(path / "model.safetensors"))
 
 
+@pytest.mark.slow   # an end-to-end run or a large compile: CI runs it, `-m "not slow"` skips it
 def test_two_processes_match_one_and_resume_after_sigkill(tmp_path):
     reference_dir, multi_dir, logs = tmp_path / "one", tmp_path / "two", tmp_path / "logs"
     multi_dir.mkdir()

@@ -233,6 +233,7 @@ def mesh8():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow   # an end-to-end run or a large compile: CI runs it, `-m "not slow"` skips it
 def test_params_are_created_sharded_by_the_rules(mesh8):
     mesh_sizes = {"data": 2, "fsdp": 2, "tensor": 2}
     sharded = 0
@@ -255,6 +256,7 @@ def test_params_are_created_sharded_by_the_rules(mesh8):
     assert mesh8["shard_state_matches"]  # shard_state puts host values in the same layout
 
 
+@pytest.mark.slow   # an end-to-end run or a large compile: CI runs it, `-m "not slow"` skips it
 def test_sharded_forward_backward_matches_one_device(mesh8):
     assert mesh8["batch_spec"] == str(P(("data", "fsdp"), None))
     assert abs(mesh8["loss"] - mesh8["ref_loss"]) <= LOSS_RTOL * abs(mesh8["ref_loss"])

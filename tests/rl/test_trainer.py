@@ -147,6 +147,7 @@ def prm_run(tmp_path_factory, world):
     return workdir
 
 
+@pytest.mark.slow   # an end-to-end run or a large compile: CI runs it, `-m "not slow"` skips it
 @pytest.mark.parametrize("variant,beta", [("sparse", 0.0), ("token", 0.0), ("clause", 0.04)])
 def test_end_to_end_and_resume(variant, beta, world, prm_run, tmp_path):
     config = e2e_config(world[0], variant, beta)

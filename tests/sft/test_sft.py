@@ -131,6 +131,7 @@ def test_hosts_agree_on_lengths():
         assert not np.array_equal(a["input_ids"], b["input_ids"])
 
 
+@pytest.mark.slow   # an end-to-end run or a large compile: CI runs it, `-m "not slow"` skips it
 def test_run_writes_results_and_resumes(tmp_path):
     from configs.sft import get_config
 
