@@ -135,7 +135,8 @@ def process_file(input_path: str, output_path: str, required: tuple[str, ...],
 
 def run_localize(db: str, input_path: str, output_path: str, settings: AnnotationSettings) -> dict[str, int]:
     schema = Schema.from_sqlite(db)
-    with Executor(db, timeout_s=settings.timeout_s, max_rows=settings.max_rows) as executor:
+    with Executor(db, timeout_s=settings.timeout_s, max_rows=settings.max_rows,
+                  max_vm_steps=settings.max_vm_steps) as executor:
         def handle(record: dict) -> list[dict]:
             result = localize(record["gold"], record["pred"], executor, schema, alpha=settings.alpha,
                               sigma=settings.sigma, reference_edges=settings.reference_edges,
@@ -146,7 +147,8 @@ def run_localize(db: str, input_path: str, output_path: str, settings: Annotatio
 
 def run_inject(db: str, input_path: str, output_path: str, settings: AnnotationSettings) -> dict[str, int]:
     schema = Schema.from_sqlite(db)
-    with Executor(db, timeout_s=settings.timeout_s, max_rows=settings.max_rows) as executor:
+    with Executor(db, timeout_s=settings.timeout_s, max_rows=settings.max_rows,
+                  max_vm_steps=settings.max_vm_steps) as executor:
         def handle(record: dict) -> list[dict]:
             gold = record["gold"]
             if not executor.execute(gold).ok:

@@ -62,7 +62,10 @@ def get_config(arg: str | None = None) -> ConfigDict:
     # Also pair a right and a wrong prediction of one question at the wrong one's root clause (training
     # split only; caper_jax.data.prm_pipeline.candidate_contrasts): what reranking asks of the PRM.
     c.annotate.candidate_contrasts = False
-    c.annotate.timeout_s = 2.0
+    # Per query: a budget of SQLite VM instructions, so labels do not depend on the machine's load,
+    # and a wall-clock backstop (caper_jax.sql.tuples.AnnotationSettings).
+    c.annotate.max_vm_steps = 50_000_000
+    c.annotate.timeout_s = 60.0
     c.annotate.suspect_tuples = False         # tuples from suspect failures (tie, type, literal_case)
     # Result equivalence when annotating: spider (bags, ordered iff ORDER BY) | bird (set equality, as
     # BIRD's evaluator; set it with BIRD data, as configs/annotate.py:bird does).

@@ -98,7 +98,8 @@ def test_config_defaults_match_settings_and_variants():
     assert (demo.name, tuple(demo.data.splits), demo.data.limit, demo.per_query) == ("demo", ("train", "dev"), 5, 2)
     bird = annotate_config.get_config("bird")
     # database folders come from the layout reader (caper_jax/data/spider.py), BIRD's included
-    assert (bird.semantics, bird.timeout_s, bird.data.database_dir) == ("bird", 30.0, "")
+    assert (bird.semantics, bird.max_vm_steps, bird.data.database_dir) == ("bird", 1_000_000_000, "")
+    assert settings_from_config(bird).max_vm_steps == 1_000_000_000
     with pytest.raises(KeyError):
         annotate_config.get_config("sigmaa=2")
     with pytest.raises(ValueError):

@@ -63,7 +63,7 @@ def annotation_settings(config) -> AnnotationSettings:
         raise ValueError(f"annotate.semantics={semantics!r}; expected 'spider' or 'bird'")
     return AnnotationSettings(alpha=a.alpha, sigma=a.sigma, margin_floor=a.margin_floor,
                               per_query=a.per_query, compound=a.compound, site_balance=a.site_balance,
-                              timeout_s=a.timeout_s, semantics=semantics,
+                              max_vm_steps=a.max_vm_steps, timeout_s=a.timeout_s, semantics=semantics,
                               within_trajectory=a.within_trajectory, seed=config.seed,
                               suspect_tuples=a.get("suspect_tuples", False))
 

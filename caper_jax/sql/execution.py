@@ -7,8 +7,11 @@ Model-written SQL is untrusted. Defence in depth, each layer checked by tests/sq
    connection;
 3. an authorizer allows only SELECT / READ / FUNCTION / RECURSIVE actions (never
    ``load_extension``): every write, DDL, ATTACH, PRAGMA and VACUUM is refused before it runs;
-4. a progress handler aborts a statement past its wall-clock limit, and at most ``max_rows`` rows
-   are fetched, so a runaway recursive CTE or cartesian product costs a bounded time;
+4. a progress handler aborts a statement past its wall-clock limit (``timeout_s``) or past a budget
+   of SQLite VM instructions (``max_vm_steps``), and at most ``max_rows`` rows are fetched, so a
+   runaway recursive CTE or cartesian product costs a bounded time. The instruction budget is the
+   reproducible limit: whether a query exceeds it does not depend on the machine's load, so labels
+   built on it (the annotator's) are the same on a busy machine; the wall clock is then a backstop;
 5. exactly one statement per call (sqlite3 refuses stacked statements).
 
 Results are cached by (database, normalised SQL): the annotator re-executes the same gold query once
@@ -49,7 +52,8 @@ Semantics = Literal["spider", "bird"]
 _ALLOWED_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
                               sqlite3.SQLITE_RECURSIVE})
 _FORBIDDEN_FUNCTIONS = frozenset({"load_extension"})
-# Every this many SQLite VM instructions the progress handler checks the clock (~tens of µs).
+# Every this many SQLite VM instructions the progress handler checks the clock and the instruction
+# budget (~tens of µs); max_vm_steps is therefore enforced to within this many instructions.
 _PROGRESS_STEPS = 1000
 _MAX_VALUE_BYTES = 16 * 2**20
 # Quoted tokens (strings, identifiers) are kept verbatim; whitespace between them is collapsed.
@@ -176,12 +180,16 @@ class Executor:
     """
 
     def __init__(self, db_path: str | os.PathLike, timeout_s: float = 2.0, max_rows: int = 10_000,
-                 cache_size: int = 4096):
-        if timeout_s <= 0 or max_rows <= 0 or cache_size < 0:
-            raise ValueError(f"need timeout_s > 0, max_rows > 0, cache_size >= 0; got "
-                             f"{timeout_s}, {max_rows}, {cache_size}")
+                 cache_size: int = 4096, max_vm_steps: int | None = None):
+        if timeout_s <= 0 or max_rows <= 0 or cache_size < 0 or (max_vm_steps is not None and max_vm_steps <= 0):
+            raise ValueError(f"need timeout_s > 0, max_rows > 0, cache_size >= 0, max_vm_steps None or > 0; "
+                             f"got {timeout_s}, {max_rows}, {cache_size}, {max_vm_steps}")
         self.db_path = pathlib.Path(db_path)
         self.timeout_s = timeout_s
+        self.max_vm_steps = max_vm_steps
+        # Progress-handler calls a query may take: each call follows _PROGRESS_STEPS instructions.
+        self._max_progress_calls = None if max_vm_steps is None else -(-max_vm_steps // _PROGRESS_STEPS)
+        self._progress_calls = 0
         self.max_rows = max_rows
         self.cache_size = cache_size
         self.sqlite_seconds = 0.0  # time spent inside SQLite (execute + fetch), for benchmarks
@@ -197,7 +205,9 @@ class Executor:
             self._connection.set_progress_handler(self._past_deadline, _PROGRESS_STEPS)
 
     def _past_deadline(self) -> int:
-        if time.monotonic() > self._deadline:
+        self._progress_calls += 1
+        if time.monotonic() > self._deadline or (
+                self._max_progress_calls is not None and self._progress_calls > self._max_progress_calls):
             self._timed_out = True
             return 1
         return 0
@@ -263,6 +273,7 @@ class Executor:
     def _query(self, sql: str) -> ExecResult:
         start = time.monotonic()
         self._deadline = start + self.timeout_s
+        self._progress_calls = 0
         self._timed_out = False
         cursor = self._connection.cursor()
         try:

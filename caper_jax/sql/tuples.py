@@ -272,7 +272,11 @@ class AnnotationSettings:
     max_attempts: int | None = None
     semantics: str = "spider"
     suspect_tuples: bool = False
-    timeout_s: float = 2.0
+    # A query's limit is a budget of SQLite VM instructions (50 M: 0.4–2 s of SQLite on one core; the
+    # costliest Spider dev gold takes 53 k), so whether a mutant times out, and with it every label,
+    # does not depend on the machine's load. timeout_s is only the wall-clock backstop.
+    max_vm_steps: int = 50_000_000
+    timeout_s: float = 60.0
     max_rows: int = 10_000
     seed: int = 0
 
@@ -281,6 +285,8 @@ class AnnotationSettings:
             raise ValueError(f"alpha, sigma and margin_floor must be > 0: {self}")
         if self.margin_floor > self.alpha:
             raise ValueError(f"margin_floor {self.margin_floor} > alpha {self.alpha}: no tuple could pass")
+        if self.max_vm_steps <= 0 or self.timeout_s <= 0:
+            raise ValueError(f"max_vm_steps and timeout_s must be > 0: {self}")
         if self.per_query < 0:
             raise ValueError(f"per_query must be >= 0, got {self.per_query}")
         if not 0 <= self.compound <= self.per_query:
@@ -383,7 +389,8 @@ class Annotator:
     def executor(self, db_id: str) -> Executor:
         if db_id not in self._executors:
             self._executors[db_id] = Executor(self.db_path(db_id), timeout_s=self.settings.timeout_s,
-                                              max_rows=self.settings.max_rows)
+                                              max_rows=self.settings.max_rows,
+                                              max_vm_steps=self.settings.max_vm_steps)
         return self._executors[db_id]
 
     def schema(self, db_id: str) -> Schema:

@@ -120,6 +120,8 @@ def test_missing_database_is_typed_and_bad_limits_raise(tmp_path):
     assert not (tmp_path / "absent.sqlite").exists()
     with pytest.raises(ValueError):
         Executor(tmp_path / "absent.sqlite", timeout_s=0)
+    with pytest.raises(ValueError):
+        Executor(tmp_path / "absent.sqlite", max_vm_steps=0)
     with pytest.raises(TypeError):
         executor.execute(3)
 
@@ -292,6 +294,35 @@ def test_ctrl_c_inside_a_query_raises_keyboard_interrupt_and_is_not_cached(db_co
             assert executor.execute("SELECT count(*) FROM singer").rows == ((6,),)
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def sqlite_vm_steps(db_path, sql: str, every: int = 1000) -> int:
+    """VM instructions SQLite itself counts for ``sql`` (to within ``every``), on a plain connection."""
+    calls = [0]
+
+    def count():
+        calls[0] += 1
+        return 0
+    connection = sqlite3.connect(db_path)
+    connection.set_progress_handler(count, every)
+    connection.execute(sql).fetchall()
+    connection.close()
+    return calls[0] * every
+
+
+def test_instruction_budget_is_exact_and_independent_of_the_wall_clock(db_copy):
+    # A recursive CTE whose instruction count SQLite reports; a budget just above it passes, one just
+    # below it times out, with a wall-clock limit far away: the verdict is the instruction count's.
+    sql = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 20000) SELECT sum(x) FROM c"
+    steps = sqlite_vm_steps(db_copy, sql)
+    assert steps > 100_000
+    with Executor(db_copy, timeout_s=600, max_vm_steps=steps + 1000, cache_size=0) as executor:
+        result = executor.execute(sql)
+        assert result.ok and result.rows == ((20000 * 20001 // 2,),)
+    with Executor(db_copy, timeout_s=600, max_vm_steps=steps - 2000, cache_size=0) as executor:
+        for _ in range(3):   # the same verdict each time: the count restarts with every query
+            assert executor.execute(sql).error_kind == "timeout"
+        assert executor.execute("SELECT count(*) FROM singer").ok
 
 
 def test_a_file_that_is_not_a_database_is_refused(tmp_path):
