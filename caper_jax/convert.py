@@ -216,8 +216,7 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> int:
     """``argv``: what absl left after the flags, the program and the command."""
     command = list(argv[1:])
     if len(command) != 1 or command[0] not in COMMANDS:
-        raise app.UsageError(f"usage: python -m caper_jax.convert {{{','.join(COMMANDS)}}} [flags]",
-                             exitcode=cli.USAGE_STATUS)
+        cli.usage_error(f"usage: python -m caper_jax.convert {{{','.join(COMMANDS)}}} [flags]")
     command = command[0]
     cli.check_command(flag_values, f"convert {command}", defined=sorted({n for f in COMMAND_FLAGS.values() for n in f}),
                       reads=COMMAND_FLAGS[command], required=REQUIRED[command])

@@ -121,9 +121,8 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> int:
         cli.check_command(flag_values, "evaluate --config", defined=EX_FLAGS + POLICY_FLAGS, reads=POLICY_FLAGS)
         run = run_policy
     else:
-        raise app.UsageError("usage: python -m caper_jax.evaluate ex [flags] | "
-                             "python -m caper_jax.evaluate --config=configs/eval.py[:arg] --workdir=OUT",
-                             exitcode=cli.USAGE_STATUS)
+        cli.usage_error("usage: python -m caper_jax.evaluate ex [flags] | "
+                        "python -m caper_jax.evaluate --config=configs/eval.py[:arg] --workdir=OUT")
     try:
         return run(flag_values)
     except KeyboardInterrupt as error:  # Ctrl-C, inside a SQLite query too: no summary, outputs as they were

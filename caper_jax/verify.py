@@ -65,8 +65,7 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> int:
     """``argv``: what absl left after the flags, the program and the command (rerank when none)."""
     command = list(argv[1:]) or ["rerank"]
     if len(command) != 1 or command[0] not in COMMANDS:
-        raise app.UsageError(f"usage: python -m caper_jax.verify [{'|'.join(COMMANDS)}] [flags]",
-                             exitcode=cli.USAGE_STATUS)
+        cli.usage_error(f"usage: python -m caper_jax.verify [{'|'.join(COMMANDS)}] [flags]")
     command = command[0]
     cli.check_command(flag_values, f"verify {command}", defined=COMMAND_FLAGS["rerank"] + COMMAND_FLAGS["localize"],
                       reads=COMMAND_FLAGS[command], required=REQUIRED[command])

@@ -264,11 +264,12 @@ def build_policy_run(root: pathlib.Path, world: pathlib.Path) -> pathlib.Path:
 def run_command(module, *args) -> int:
     """``python -m <module> args`` in this process, as its ``__main__`` runs under absl.app.run: flags
     defined on a FlagValues of their own (runs in one process share none), parsed, then ``main``.
-    Returns the exit status the command line would have, a bad flag's or usage error's included
-    (the error on stderr, as absl.app.run prints it)."""
+    Returns the exit status the command line would have, a bad command line's included (its one
+    error line on stderr). An ``absl.app.UsageError`` is not caught: absl.app.run would print it
+    after the whole module docstring, which the commands promise not to do."""
     import inspect
 
-    from absl import app, flags
+    from absl import flags
 
     from caper_jax.utils import cli
 
@@ -283,6 +284,3 @@ def run_command(module, *args) -> int:
         return module.main(parse(argv, flag_values), flag_values)
     except SystemExit as exit:
         return exit.code
-    except app.UsageError as error:
-        print(error, file=sys.stderr)
-        return error.exitcode

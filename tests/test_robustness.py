@@ -441,6 +441,25 @@ def test_convert_refuses_bad_inputs_and_outputs_with_one_line(tmp_path, capsys):
     assert (tmp_path / "o2" / "checkpoints" / "0").is_dir() and no_temporary_files(tmp_path)
 
 
+
+@pytest.mark.parametrize("args, message", [
+    (["caper_jax.verify", "--output_dir", "x"], "verify rerank: not a flag of this command: --output_dir"),
+    (["caper_jax.verify", "rank"], "usage: python -m caper_jax.verify"),
+    (["caper_jax.evaluate", "ex", "--data", "x"], "evaluate ex: --predictions required"),
+    (["caper_jax.evaluate"], "usage: python -m caper_jax.evaluate"),
+    (["caper_jax.convert", "hf-to-orbax"], "convert hf-to-orbax: --hf_dir, --out required"),
+    (["caper_jax.convert"], "usage: python -m caper_jax.convert"),
+], ids=["verify wrong command's flag", "verify unknown command", "evaluate missing flag",
+        "evaluate no command", "convert missing flags", "convert no command"])
+def test_command_line_errors_after_parsing_are_one_line_under_absl_app_run(args, message):
+    """The real ``python -m`` (absl.app.run), not run_command: a UsageError there would print the
+    module docstring and every flag before its message."""
+    proc = run_module(*args, timeout=120)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr[-3000:]
+    assert not proc.stdout
+
+
 def train(workdir, *extra) -> subprocess.CompletedProcess:
     return run_module("caper_jax.train", "--config=configs/prm.py", f"--workdir={workdir}", *extra)
 

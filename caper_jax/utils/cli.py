@@ -1,16 +1,20 @@
-"""absl command lines with subcommands (``caper_jax.evaluate``, ``caper_jax.verify``).
+"""absl command lines with subcommands (``caper_jax.evaluate``, ``caper_jax.verify``, ``caper_jax.convert``).
 
 A flag error (unknown flag, a typo, a value of the wrong type or outside an enum) is one line on
 stderr and exit status 2, the status these commands have always given a bad command line. Every
 flag of the program is defined on one ``FlagValues``; ``check_command`` refuses those that the
 chosen command does not read, so a flag given to the wrong command is an error, as a typo is.
+The errors found after parsing (a flag of another command, a required flag unset, an unknown command)
+go through ``usage_error``, not ``absl.app.UsageError``, which ``absl.app.run`` prints after the whole
+module docstring and flag list.
 """
 from __future__ import annotations
 
 import sys
 from collections.abc import Collection, Sequence
+from typing import NoReturn
 
-from absl import app, flags
+from absl import flags
 
 USAGE_STATUS = 2
 
@@ -21,17 +25,22 @@ def parse_flags(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
     try:
         return flag_values(list(argv))
     except errors as error:
-        print(f"{prefix}: {error}", file=sys.stderr)
-        sys.exit(USAGE_STATUS)
+        usage_error(str(error), prefix=prefix)
+
+
+def usage_error(message: str, *, prefix: str = "error") -> NoReturn:
+    """``prefix: message``, one line on stderr, and exit status 2."""
+    print(f"{prefix}: {message}", file=sys.stderr)
+    sys.exit(USAGE_STATUS)
 
 
 def check_command(flag_values: flags.FlagValues, usage: str, *, defined: Collection[str],
                   reads: Collection[str], required: Collection[str] = ()) -> None:
-    """A UsageError (exit status 2) for a required flag unset, or a flag of ``defined`` given that
-    the command does not read."""
+    """A ``usage_error`` for a required flag unset, or a flag of ``defined`` given that the command
+    does not read."""
     foreign = [f"--{name}" for name in defined if name not in reads and flag_values[name].present]
     if foreign:
-        raise app.UsageError(f"{usage}: not a flag of this command: {', '.join(foreign)}", exitcode=USAGE_STATUS)
+        usage_error(f"{usage}: not a flag of this command: {', '.join(foreign)}")
     missing = [f"--{name}" for name in required if flag_values[name].value is None]
     if missing:
-        raise app.UsageError(f"{usage}: {', '.join(missing)} required", exitcode=USAGE_STATUS)
+        usage_error(f"{usage}: {', '.join(missing)} required")
