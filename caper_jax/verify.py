@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from caper_jax.data.spider import DataError, load_split
+from caper_jax.data.spider import load_split
 from caper_jax.eval import verify as verify_lib
 from caper_jax.eval.ex import DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S
 from caper_jax.prm.aggregates import AGGREGATES
@@ -69,7 +69,6 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> int:
     command = command[0]
     cli.check_command(flag_values, f"verify {command}", defined=COMMAND_FLAGS["rerank"] + COMMAND_FLAGS["localize"],
                       reads=COMMAND_FLAGS[command], required=REQUIRED[command])
-    from caper_jax.utils.errors import CheckpointError
     from caper_jax.prm import scoring
 
     f = flag_values
@@ -90,7 +89,7 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> int:
             summary = verify_lib.rerank(scorer, f.data, f.split, f.candidates, aggregate=f.aggregate,
                                         semantics=f.semantics, output=f.output, timeout_s=f.timeout_s,
                                         max_rows=f.max_rows)
-    except (DataError, FileNotFoundError, CheckpointError, scoring.ScoringError, ValueError) as error:
+    except (FileNotFoundError, ValueError) as error:   # DataError, CheckpointError, ScoringError, OutputError
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as error:  # Ctrl-C, inside a SQLite query too: no summary, outputs as they were

@@ -63,7 +63,7 @@ DEFAULT_MAX_LEN = 1024
 
 
 class ScoringError(ValueError):
-    """Bad scorer input: an unknown aggregate, a row without question/schema/sql, a non-PRM checkpoint."""
+    """Bad scorer input: an unknown aggregate, a row without question/schema/sql, a non-PRM HF export."""
 
 
 # -- aggregation
