@@ -152,13 +152,15 @@ def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: 
     for line in scored:
         k = len(line["rows"])
         line["scores"], position = flat[position:position + k], position + k
+        # Every selector's pick, counted here and written with the line: paired comparisons between
+        # selectors (PRM rerank vs majority vote on the same questions) are computed from the output.
+        line["choices"] = {sel: scoring.select(line["scores"], sel, line["classes"]) for sel in scoring.SELECTORS}
         right = line["right"]
         counts["first"] += right[0]
         counts["vote"] += right[line["vote"]]
         counts["any"] += any(right)
-        for how in AGGREGATES:
-            counts[how] += right[scoring.best_index(line["scores"], how)]
-            counts[scoring.VOTE_PREFIX + how] += right[scoring.weighted_vote(line["scores"], line["classes"], how)]
+        for sel, chosen in line["choices"].items():
+            counts[sel] += right[chosen]
     n = len(scored)
     if output is not None:   # a temporary file renamed into place: never half written
         with atomic.atomic_output(output) as sink:
@@ -181,18 +183,15 @@ def _output_row(line: dict, how: str) -> dict:
     prediction = line["prediction"]
     if "right" not in line:
         return {**prediction.record, "correct": None, "excluded": line["excluded"]}
-    chosen = scoring.best_index(line["scores"], how)
+    chosen = line["choices"][how]
     sql = prediction.candidates[chosen]
     scores = line["scores"][chosen]
-    # Every selector's pick and every candidate's verdict: paired comparisons between selectors
-    # (PRM rerank vs majority vote on the same questions) are computed from these lines.
-    choices = {sel: scoring.select(line["scores"], sel, line["classes"]) for sel in scoring.SELECTORS}
     return {**prediction.record, "sql": sql, "chosen": chosen, "correct": line["right"][chosen],
             "clauses": [[name, _json_float(s)] for name, s in zip(scoring.clause_names(sql), scores)],
             "score": _json_float(scoring.aggregate(scores, how)),
             "candidate_scores": [_json_float(scoring.aggregate(s, how)) for s in line["scores"]],
             "candidate_correct": [bool(r) for r in line["right"]], "vote_choice": int(line["vote"]),
-            "choices": {sel: int(i) for sel, i in choices.items()}}
+            "choices": line["choices"]}
 
 
 def _json_float(x: float) -> float | str | None:
