@@ -25,7 +25,7 @@ from absl import app, flags
 
 from caper_jax.data.spider import load_split
 from caper_jax.eval import verify as verify_lib
-from caper_jax.eval.ex import DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S
+from caper_jax.eval.ex import DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, data_inputs
 from caper_jax.prm.aggregates import AGGREGATES
 from caper_jax.sql.semantics import SEMANTICS
 from caper_jax.utils import atomic, cli
@@ -75,9 +75,9 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> int:
     try:
         load_split(f.data, f.split)  # bad data and bad outputs fail before the model is loaded
         if command == "localize":
-            atomic.check_output_dir(f.output_dir, inputs=verify_lib.data_inputs(f.data, f.predictions, f.prm))
+            atomic.check_output_dir(f.output_dir, inputs=data_inputs(f.data, f.predictions, f.prm))
         elif f.output is not None:
-            atomic.check_output(f.output, inputs=verify_lib.data_inputs(f.data, f.candidates))
+            atomic.check_output(f.output, inputs=data_inputs(f.data, f.candidates))
         scorer = scoring.load_scorer(f.prm, batch_size=f.batch_size, max_len=f.max_len)
         if command == "localize":
             rows, skipped = verify_lib.read_failures(f.data, f.split, f.predictions, timeout_s=f.timeout_s)

@@ -214,6 +214,45 @@ def test_rerank_ex_by_hand_and_against_evaluate_ex(spider, spider_lines, tmp_pat
     assert np.mean([r["candidate_correct"][r["vote_choice"]] for r in scored]) == pytest.approx(summary["vote"])
 
 
+def test_rerank_and_localize_use_the_split_s_own_database_and_schema(tmp_path):
+    """BIRD's layout keeps each split's databases and schema file apart. With one db_id in both,
+    holding different rows and columns, train's lines are graded on train's database and scored
+    with train's schema, as evaluate ex grades them."""
+    import sqlite3
+
+    for split, value in (("train", 1), ("dev", 2)):
+        path = tmp_path / f"{split}_databases" / "shop" / "shop.sqlite"
+        path.parent.mkdir(parents=True)
+        connection = sqlite3.connect(path)
+        connection.execute("CREATE TABLE t (v INTEGER)")
+        connection.execute("INSERT INTO t VALUES (?)", (value,))
+        connection.commit()
+        connection.close()
+    (tmp_path / "train").mkdir()
+    example = [{"db_id": "shop", "question": "What is v?", "SQL": "SELECT v FROM t"}]
+    for folder, split, columns in ((tmp_path / "train", "train", [[0, "v"]]),
+                                   (tmp_path, "dev", [[0, "v"], [0, "dev_only"]])):
+        (folder / f"{split}.json").write_text(json.dumps(example))
+        (folder / f"{split}_tables.json").write_text(json.dumps([{
+            "db_id": "shop", "table_names_original": ["t"], "column_names_original": [[-1, "*"], *columns],
+            "column_types": ["text"] + ["number"] * len(columns), "primary_keys": [], "foreign_keys": []}]))
+    candidates = write_lines(tmp_path / "c.jsonl", [{"index": 0, "candidates": ["SELECT 1"]}])
+
+    class SchemaRecorder(RuleScorer):
+        def score_queries(self, rows):
+            self.schemas = [r["schema"] for r in rows]
+            return super().score_queries(rows)
+
+    scorer = SchemaRecorder({"SELECT 1"})
+    summary = verify_lib.rerank(scorer, tmp_path, "train", candidates, report=lambda m: None)
+    assert summary["n"] == 1 and summary["first"] == summary["prm"] == 1.0
+    assert evaluate_ex(tmp_path, "train", candidates, report=lambda m: None)["mv"]["first"] == 1.0
+    assert len(scorer.schemas) == 1 and "dev_only" not in scorer.schemas[0]
+    # Localize: "SELECT 1" answers train's question, so the annotator finds no failure to rank.
+    failures = write_lines(tmp_path / "f.jsonl", [{"index": 0, "pred": "SELECT 1"}])
+    assert verify_lib.read_failures(tmp_path, "train", failures, report=lambda m: None) == ([], {"correct": 1})
+
+
 def test_random_prm_keeps_a_consistent_ex_accounting(spider, spider_lines, scorer, tmp_path):
     records, golds, expected = spider_lines
     path = write_lines(tmp_path / "c.jsonl", records)

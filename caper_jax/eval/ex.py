@@ -100,6 +100,37 @@ def majority_vote(results: list[ExecResult], semantics: Semantics) -> int:
     return max(buckets, key=len)[0]  # max keeps the first of equal-sized buckets
 
 
+def data_inputs(data_dir: str | os.PathLike, *files: str | os.PathLike) -> list:
+    """The input files an output must never be: ``files`` and the dataset's JSON files."""
+    return [*files, *pathlib.Path(data_dir).glob("*.json")]
+
+
+class Databases:
+    """An Executor per db_id of ``split``'s layout (``data.spider.db_path``), opened on first use; None
+    for a database not on disk, after one ``on_missing(db_id)``."""
+
+    def __init__(self, data_dir: str | os.PathLike, split: str, *, timeout_s: float, max_rows: int,
+                 on_missing: Callable[[str], None] = lambda db_id: None):
+        self.data_dir, self.split, self.on_missing = data_dir, split, on_missing
+        self.timeout_s, self.max_rows = timeout_s, max_rows
+        self._executors: dict[str, Executor | None] = {}
+
+    def executor(self, db_id: str) -> Executor | None:
+        if db_id not in self._executors:
+            try:
+                self._executors[db_id] = Executor(db_path(self.data_dir, db_id, self.split),
+                                                  timeout_s=self.timeout_s, max_rows=self.max_rows)
+            except MissingDatabaseError:
+                self._executors[db_id] = None
+                self.on_missing(db_id)
+        return self._executors[db_id]
+
+    def close(self) -> None:
+        for executor in self._executors.values():
+            if executor is not None:
+                executor.close()
+
+
 @dataclasses.dataclass(frozen=True)
 class GradedLine:
     """One well-formed predictions line, executed and compared with its gold."""
@@ -163,18 +194,9 @@ def evaluate_ex(data_dir: str | os.PathLike, split: str, predictions: str | os.P
     check_semantics(semantics)
     report = report or (lambda message: print(message, file=sys.stderr))
     if output is not None:   # before any work: never the predictions, the data or a database
-        atomic.check_output(output, inputs=(predictions, *pathlib.Path(data_dir).glob("*.json")))
+        atomic.check_output(output, inputs=data_inputs(data_dir, predictions))
     examples = load_split(data_dir, split)
-    executors: dict[str, Executor | None] = {}
-
-    def executor_for(db_id: str) -> Executor | None:
-        if db_id not in executors:
-            try:
-                executors[db_id] = Executor(db_path(data_dir, db_id, split), timeout_s=timeout_s,
-                                            max_rows=max_rows)
-            except MissingDatabaseError:
-                executors[db_id] = None
-        return executors[db_id]
+    databases = Databases(data_dir, split, timeout_s=timeout_s, max_rows=max_rows)
 
     correct = first_correct = vote_correct = any_correct = n = n_voted = 0
     excluded: collections.Counter[str] = collections.Counter()
@@ -188,7 +210,8 @@ def evaluate_ex(data_dir: str | os.PathLike, split: str, predictions: str | os.P
     # Written under a temporary name, renamed into place only when every line is graded.
     sink: atomic.AtomicWriter | None = atomic.AtomicWriter(output) if output is not None else None
     try:
-        for line in grade_predictions(predictions, examples, executor_for, semantics=semantics, on_malformed=skip):
+        for line in grade_predictions(predictions, examples, databases.executor, semantics=semantics,
+                                      on_malformed=skip):
             prediction, example = line.prediction, line.example
             if line.excluded is not None:
                 excluded[line.excluded] += 1
@@ -220,9 +243,7 @@ def evaluate_ex(data_dir: str | os.PathLike, split: str, predictions: str | os.P
     finally:
         if sink is not None:
             sink.close()    # renames it into place (nothing after a discard)
-        for executor in executors.values():
-            if executor is not None:
-                executor.close()
+        databases.close()
     summary: dict = {"ex": correct / n if n else 0.0, "n": n}
     if n_voted:
         summary["mv"] = {"n": n_voted, "first": first_correct / n_voted, "vote": vote_correct / n_voted,

@@ -49,12 +49,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from caper_jax.sql.contract import serialize_schema
-from caper_jax.data.spider import DataError, MissingDatabaseError, db_path, load_schemas, load_split
+from caper_jax.data.spider import DataError, load_schemas, load_split
 from caper_jax.sql.semantics import check_semantics
-from caper_jax.eval.ex import (DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, PredictionError, grade_predictions,
-                               majority_vote)
+from caper_jax.eval.ex import (DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, Databases, PredictionError, data_inputs,
+                               grade_predictions, majority_vote)
 from caper_jax.prm.aggregates import AGGREGATES
-from caper_jax.sql.execution import Executor
 from caper_jax.utils import atomic, jsonl
 
 Report = Callable[[str], None]
@@ -64,25 +63,16 @@ class Scorer(Protocol):
     def score_queries(self, rows: Sequence[Mapping[str, str]]) -> list[np.ndarray]: ...
 
 
-class _Databases:
-    """Executors and serialised schemas per db_id; a missing database is None, reported once."""
+class _Databases(Databases):
+    """A split's databases with their serialised schemas (the split's own schema file first); a
+    missing database is reported once."""
 
-    def __init__(self, data_dir, *, timeout_s: float, max_rows: int, report: Report, where: str):
-        self.data_dir, self.timeout_s, self.max_rows = data_dir, timeout_s, max_rows
-        self.report, self.where = report, where
-        self.tables = load_schemas(data_dir)
-        self._executors: dict[str, Executor | None] = {}
+    def __init__(self, data_dir, split: str, *, timeout_s: float, max_rows: int, report: Report, where: str):
+        super().__init__(data_dir, split, timeout_s=timeout_s, max_rows=max_rows,
+                         on_missing=lambda db_id: report(f"{where}: database {db_id!r} is missing; "
+                                                         "its lines are excluded"))
+        self.tables = load_schemas(data_dir, split)
         self._schemas: dict[str, str] = {}
-
-    def executor(self, db_id: str) -> Executor | None:
-        if db_id not in self._executors:
-            try:
-                self._executors[db_id] = Executor(db_path(self.data_dir, db_id), timeout_s=self.timeout_s,
-                                                  max_rows=self.max_rows)
-            except MissingDatabaseError:
-                self._executors[db_id] = None
-                self.report(f"{self.where}: database {db_id!r} is missing; its lines are excluded")
-        return self._executors[db_id]
 
     def schema(self, db_id: str) -> str:
         if db_id not in self._schemas:
@@ -90,11 +80,6 @@ class _Databases:
                 raise DataError(f"database {db_id!r} is not in the schema file of {self.data_dir}")
             self._schemas[db_id] = serialize_schema(self.tables[db_id])
         return self._schemas[db_id]
-
-    def close(self) -> None:
-        for executor in self._executors.values():
-            if executor is not None:
-                executor.close()
 
 
 def _stderr(message: str) -> None:
@@ -118,7 +103,8 @@ def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: 
     if output is not None:   # before any work: never the candidates, the data or a database
         atomic.check_output(output, inputs=data_inputs(data_dir, candidates))
     examples = load_split(data_dir, split)
-    databases = _Databases(data_dir, timeout_s=timeout_s, max_rows=max_rows, report=report, where=str(candidates))
+    databases = _Databases(data_dir, split, timeout_s=timeout_s, max_rows=max_rows, report=report,
+                           where=str(candidates))
     excluded: collections.Counter[str] = collections.Counter()
     malformed: list[int] = []
 
@@ -172,11 +158,6 @@ def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: 
             "excluded": dict(excluded), "malformed": len(malformed)}
 
 
-def data_inputs(data_dir: str | os.PathLike, *files: str | os.PathLike) -> list:
-    """The input files an output must never be: ``files`` and the dataset's JSON files."""
-    return [*files, *pathlib.Path(data_dir).glob("*.json")]
-
-
 def _output_row(line: dict, how: str) -> dict:
     from caper_jax.prm import scoring
 
@@ -223,7 +204,7 @@ def read_failures(data_dir: str | os.PathLike, split: str, predictions: str | os
             examples.extend(load_split(data_dir, split))
         return examples
 
-    databases = _Databases(data_dir, timeout_s=timeout_s, max_rows=DEFAULT_MAX_ROWS, report=report,
+    databases = _Databases(data_dir, split, timeout_s=timeout_s, max_rows=DEFAULT_MAX_ROWS, report=report,
                            where=str(predictions))
     schemas: dict[str, Schema] = {}
     rows, skipped = [], collections.Counter()
@@ -254,8 +235,7 @@ def read_failures(data_dir: str | os.PathLike, split: str, predictions: str | os
                         skipped["missing_db"] += 1
                         continue
                     if record["db_id"] not in schemas:
-                        schemas[record["db_id"]] = Schema.from_sqlite(db_path(data_dir, record["db_id"]),
-                                                                      record["db_id"])
+                        schemas[record["db_id"]] = Schema.from_sqlite(executor.db_path, record["db_id"])
                     try:
                         found = localize(record["gold"], record["pred"], executor, schemas[record["db_id"]])
                     except GoldError as error:
