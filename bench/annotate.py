@@ -18,7 +18,7 @@ and schema loading; per CPU-s = tuples per second of CPU summed over workers (wh
 shared machine disturb least); x floor = CPU per gold query (or per tuple) over the floor's CPU per
 gold query; sqlite = share of worker wall time spent inside SQLite. Best of ``--repeats`` runs.
 
-Real failures (``caper_jax.data.spider.published_failures``: every Spider-dev example with a
+Real failures (``caper_jax.eval.ex.published_failures``: every Spider-dev example with a
 database where one of the six systems' predictions does not execute to gold's result, about 1,100):
 ``localize`` on each, workers as above (processes, cold executors, failures split round-robin).
 failures/s = failures / wall time of the slowest worker; extra exec/failure = queries executed
@@ -45,7 +45,7 @@ from bench._common import start_load_check  # noqa: E402
 
 import sqlglot  # noqa: E402
 
-from caper_jax.data.spider import published_failures  # noqa: E402
+from caper_jax.eval.ex import published_failures  # noqa: E402
 from caper_jax.sql.clauses import parse_sql  # noqa: E402
 from caper_jax.sql.execution import Executors  # noqa: E402
 from caper_jax.sql.mutations import inject_faults  # noqa: E402

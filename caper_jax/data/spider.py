@@ -26,12 +26,11 @@ A database that is missing on disk is not an error at load time (Spider's public
 one, lacks wta_1), but it is reported (a logged warning, ``missing_databases``) and can be dropped
 with ``drop_missing=True``; ``db_path`` raises ``MissingDatabaseError`` for it.
 
-Predictions of published systems (``read_sql_predictions``) are read here too, and
-``published_failures`` lists the Spider-dev failures of the six systems kept in
-``../shared/data/spider_predictions/`` (provenance, licences and formats in its PROVENANCE.md): four
-``.sql`` files of 1034 lines in dev.json order and two DIN-SQL CSVs with a ``PREDICTED SQL`` column.
-A *failure* is an example with a database whose prediction does not execute to gold's result the
-Spider way (``results_equal``: bags, ordered iff gold has ORDER BY, any column order).
+Predictions of published systems are read here too (``read_sql_predictions``, one file;
+``read_system_predictions``, several, each one prediction per example of a split), such as the six
+systems kept in ``../shared/data/spider_predictions/`` (provenance, licences and formats in its
+PROVENANCE.md): four ``.sql`` files of 1034 lines in dev.json order and two DIN-SQL CSVs with a
+``PREDICTED SQL`` column. Grading them is ``caper_jax.eval.ex``'s.
 """
 from __future__ import annotations
 
@@ -43,8 +42,6 @@ import logging
 import os
 import pathlib
 from typing import Any, Iterable, Mapping, Sequence
-
-from caper_jax.sql.execution import Executors, order_matters, results_equal
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +229,17 @@ def read_sql_predictions(path: str | os.PathLike, examples: Sequence[Example] | 
     return out
 
 
+def read_system_predictions(predictions_dir: str | os.PathLike, systems: Sequence[str],
+                            examples: Sequence[Example]) -> list[list[str]]:
+    """Per system (a file name under ``predictions_dir``), its ``read_sql_predictions``; a DataError
+    unless each has one prediction per example."""
+    per_system = [read_sql_predictions(pathlib.Path(predictions_dir) / system, examples) for system in systems]
+    for system, predictions in zip(systems, per_system):
+        if len(predictions) != len(examples):
+            raise DataError(f"{system}: {len(predictions)} predictions for {len(examples)} examples")
+    return per_system
+
+
 def missing_databases(data_dir: str | os.PathLike, examples: Iterable[Example],
                       split: str | None = None) -> dict[str, int]:
     """db_id -> number of examples, for the databases of ``examples`` that are not on disk."""
@@ -243,34 +251,3 @@ def missing_databases(data_dir: str | os.PathLike, examples: Iterable[Example],
         except MissingDatabaseError:
             missing[db_id] = n
     return missing
-
-
-PUBLISHED_SYSTEMS = ("dail_sql_gpt4.sql", "dail_sql_gpt4_sc.sql", "graphix_t5.sql", "c3sql_chatgpt.sql",
-                     "din_sql_gpt4.csv", "din_sql_codex.csv")
-
-
-def published_failures(spider_dir: str | os.PathLike, predictions_dir: str | os.PathLike,
-                       systems: Sequence[str] = PUBLISHED_SYSTEMS) -> list[dict]:
-    """Every Spider-dev failure of the given systems: ``{system, index, db_id, question, gold, pred}``.
-
-    Examples whose database is missing (``wta_1`` here) are skipped.
-    """
-    spider_dir, predictions_dir = pathlib.Path(spider_dir), pathlib.Path(predictions_dir)
-    examples = _read_json(spider_dir / "dev.json")
-    out = []
-    with Executors(spider_dir / "database") as executors:
-        for system in systems:
-            predictions = read_sql_predictions(predictions_dir / system)
-            if len(predictions) != len(examples):
-                raise ValueError(f"{system}: {len(predictions)} predictions for {len(examples)} examples")
-            for index, (example, pred) in enumerate(zip(examples, predictions)):
-                db_id = example["db_id"]
-                if not executors.db_path(db_id).is_file():
-                    continue
-                gold = executors.execute(db_id, example["query"])
-                result = executors.execute(db_id, pred)
-                if result.ok and results_equal(gold, result, ordered=order_matters(example["query"])):
-                    continue
-                out.append({"system": system, "index": index, "db_id": db_id,
-                            "question": example["question"], "gold": example["query"], "pred": pred})
-    return out

@@ -24,6 +24,8 @@ into place only when every line is graded.
 The summary has ``ex`` (accuracy of the chosen SQL), ``n``, and, when any line has candidates,
 ``mv``: over those lines, ``first`` (accuracy of the first candidate alone), ``vote`` (of the vote)
 and ``any`` (some candidate correct: the oracle upper bound).
+
+``published_failures`` lists the Spider-dev failures of published systems' prediction files.
 """
 from __future__ import annotations
 
@@ -38,8 +40,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from caper_jax.data.spider import (SQL_PREDICTION_SUFFIXES, MissingDatabaseError, db_path, load_split,
-                                   read_sql_predictions)
-from caper_jax.sql.execution import ExecResult, Executor, order_matters, results_equal
+                                   read_sql_predictions, read_system_predictions)
+from caper_jax.sql.execution import ExecResult, Executor, Executors, order_matters, results_equal
 from caper_jax.sql.semantics import EvalSemantics as Semantics, check_semantics, comparison, executed_sql
 from caper_jax.utils import atomic, jsonl
 
@@ -184,6 +186,36 @@ def grade_predictions(path: str | os.PathLike, examples: Sequence, executor_for:
             results = [executor.execute(executed_sql(sql, semantics)) for sql in prediction.candidates]
             right = [results_equal(gold, r, semantics=comparison(semantics), ordered=ordered) for r in results]
             yield GradedLine(line_number, prediction, example, None, results, right)
+
+
+# The six published systems' Spider-dev predictions of ../shared/data/spider_predictions/.
+PUBLISHED_SYSTEMS = ("dail_sql_gpt4.sql", "dail_sql_gpt4_sc.sql", "graphix_t5.sql", "c3sql_chatgpt.sql",
+                     "din_sql_gpt4.csv", "din_sql_codex.csv")
+
+
+def published_failures(spider_dir: str | os.PathLike, predictions_dir: str | os.PathLike,
+                       systems: Sequence[str] = PUBLISHED_SYSTEMS) -> list[dict]:
+    """Every Spider-dev failure of the given systems: ``{system, index, db_id, question, gold, pred}``.
+
+    A failure is an example with a database whose prediction does not execute to gold's result the
+    Spider way (``results_equal``: bags, ordered iff gold has ORDER BY, any column order), under the
+    Executor's default limits. Examples whose database is missing (``wta_1`` here) are skipped.
+    """
+    examples = load_split(spider_dir, "dev")
+    per_system = read_system_predictions(predictions_dir, systems, examples)
+    out = []
+    with Executors(pathlib.Path(spider_dir) / "database") as executors:
+        for system, predictions in zip(systems, per_system):
+            for example, pred in zip(examples, predictions):
+                if not executors.db_path(example.db_id).is_file():
+                    continue
+                gold = executors.execute(example.db_id, example.query)
+                result = executors.execute(example.db_id, pred)
+                if result.ok and results_equal(gold, result, ordered=order_matters(example.query)):
+                    continue
+                out.append({"system": system, "index": example.index, "db_id": example.db_id,
+                            "question": example.question, "gold": example.query, "pred": pred})
+    return out
 
 
 def evaluate_ex(data_dir: str | os.PathLike, split: str, predictions: str | os.PathLike, *,

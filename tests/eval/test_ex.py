@@ -157,3 +157,41 @@ def test_predictions_with_comments_are_graded_as_sqlite_runs_them(spider, dev, t
     assert summary["ex"] == 1.0 and summary["n"] == 4 and summary["mv"]["first"] == 1.0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert all(r["correct"] and "error" not in r for r in rows)
+
+
+def test_published_failures_are_the_spider_way_misses_of_each_system(tmp_path):
+    """A hand-made Spider layout and two systems' files (.sql lines, DIN-SQL's CSV): a failure is a
+    prediction on an existing database that errs or whose rows differ from gold's (as bags; in order
+    only when gold has ORDER BY); a file without one prediction per example is refused."""
+    import csv
+    import sqlite3
+
+    from caper_jax.data.spider import DataError
+    from caper_jax.eval.ex import published_failures
+
+    root, systems = tmp_path / "spider", tmp_path / "systems"
+    (root / "database" / "shop").mkdir(parents=True)
+    systems.mkdir()
+    connection = sqlite3.connect(root / "database" / "shop" / "shop.sqlite")
+    connection.executescript("CREATE TABLE t (v INTEGER); INSERT INTO t VALUES (1), (2);")
+    connection.commit()
+    connection.close()
+    golds = ["SELECT v FROM t", "SELECT v FROM t ORDER BY v", "SELECT count(*) FROM t", "SELECT 1"]
+    (root / "dev.json").write_text(json.dumps([{"db_id": "gone" if i == 3 else "shop", "question": f"q{i}",
+                                                "query": sql} for i, sql in enumerate(golds)]))
+    # Gold's rows in another order (right without ORDER BY), reversed under ORDER BY, an error, a missing database.
+    (systems / "a.sql").write_text("SELECT v FROM t ORDER BY v DESC\nSELECT v FROM t ORDER BY v DESC\n"
+                                   "SELECT count(*) FROM nowhere\tshop\nSELECT 2\n")
+    with open(systems / "b.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["PREDICTED SQL"])
+        writer.writerows([[sql] for sql in golds])
+    (systems / "short.sql").write_text("SELECT 1\n")
+    failures = published_failures(root, systems, ("a.sql", "b.csv"))
+    assert failures == [
+        {"system": "a.sql", "index": 1, "db_id": "shop", "question": "q1", "gold": golds[1],
+         "pred": "SELECT v FROM t ORDER BY v DESC"},
+        {"system": "a.sql", "index": 2, "db_id": "shop", "question": "q2", "gold": golds[2],
+         "pred": "SELECT count(*) FROM nowhere"}]   # the trailing <TAB><db_id> of the gold-file layout dropped
+    with pytest.raises(DataError, match="short.sql: 1 predictions for 4 examples"):
+        published_failures(root, systems, ("b.csv", "short.sql"))
