@@ -49,6 +49,7 @@ MANIFEST = "caper_manifest.json"
 MANIFEST_FORMAT = 1
 _TMP_MARKER = ".orbax-checkpoint-tmp"
 CORRUPT_MARKER = ".corrupt-"
+RUN_ITEM = "run"            # the item holding ``caper_jax.runs.record``
 _CHUNK = 16 << 20
 
 _log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class Checkpointer:
         if config is not None:
             items["config"] = ocp.args.JsonSave(_jsonable(config))
         if run is not None:
-            items["run"] = ocp.args.JsonSave(_jsonable(run))
+            items[RUN_ITEM] = ocp.args.JsonSave(_jsonable(run))
         self._in_flight = step
         started = self._manager.save(step, args=ocp.args.Composite(**items), force=force)
         if not self._async:

@@ -38,12 +38,12 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from caper_jax import checkpoint as ckpt_lib
+from caper_jax.checkpoint import RUN_ITEM
 from caper_jax.models.config import Qwen35Config
 from caper_jax.utils.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-RUN_ITEM = "run"            # the checkpoint item holding ``record``
 RUN_FORMAT = 1
 CONVERTED = "convert"       # the ``trainer`` of a converted HF model's config
 POLICY_TRAINERS = ("sft", "grpo", CONVERTED)   # runs whose model is a causal LM (a policy)
@@ -93,6 +93,15 @@ class Run(RunInfo):
     def model(self) -> nnx.Module:
         """The module: ``ClausePRM`` for a PRM run, else ``Qwen35ForCausalLM``."""
         return nnx.merge(self.graphdef, self.params)
+
+
+def check_vocab(what: str, model_vocab: int, tokenizer_size: int) -> None:
+    """The one rule for a model fitting a tokenizer: every token id needs an embedding row, so the
+    model's vocabulary must be at least the tokenizer's length. It may be larger: HF configs pad it
+    (Qwen3.5's 248,320 rows exceed its tokenizer's length)."""
+    if model_vocab < tokenizer_size:
+        raise CheckpointError(f"{what}: vocabulary {model_vocab} < tokenizer size {tokenizer_size} (a model of a "
+                              "different tokenizer)")
 
 
 # -- finding the checkpoint
@@ -171,18 +180,19 @@ def stored_param_shapes(step_dir: pathlib.Path) -> dict[str, tuple[int, ...]]:
 # -- the run's architecture and tokenizer
 
 
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
 def _recorded_model(fields: dict[str, Any]) -> Qwen35Config:
-    fields = dict(fields)
-    for name in ("layer_types", "eos_token_id"):   # JSON lists back to the config's (hashable) tuples
-        if isinstance(fields.get(name), list):
-            fields[name] = tuple(fields[name])
-    return Qwen35Config(**fields)
+    # JSON gives every tuple field back as a list; the config must stay hashable (graphdef, jit keys).
+    return Qwen35Config(**{name: _tuples(value) for name, value in fields.items()})
 
 
 def _legacy_model(config: dict[str, Any], step_dir: pathlib.Path) -> Qwen35Config:
     """The architecture of a run saved without the record, by the rules its readers used then."""
     from caper_jax.models import hf_io
-    from caper_jax.models.presets import model_preset
+    from caper_jax.models.presets import PRESETS, model_preset
 
     model = config.get("model", {})
     runtime = dict(dtype=model.get("dtype", "float32"), param_dtype=model.get("param_dtype", "float32"))
@@ -200,6 +210,9 @@ def _legacy_model(config: dict[str, Any], step_dir: pathlib.Path) -> Qwen35Confi
             return _legacy_model(parent, parent_step).replace(**runtime)
     shapes = stored_param_shapes(step_dir)
     embed = shapes.get("embed_tokens") or shapes.get("backbone/embed_tokens") or (None,)
+    if model.get("preset") not in PRESETS:
+        raise CheckpointError(f"{step_dir}: saved without the architecture record, and its config names no known "
+                              f"model.preset ({model.get('preset')!r}; known: {PRESETS})")
     return model_preset(model["preset"], vocab_size=embed[0], **runtime)
 
 

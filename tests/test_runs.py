@@ -165,3 +165,86 @@ def test_a_trainer_starts_from_a_converted_model(converted, mesh):
     grpo.policy.sft_workdir = str(out)
     policy = rl_trainer.load_policy(grpo, config.vocab_size, mesh, RULES)
     _assert_trees_equal(nnx.state(policy), nnx.state(reference))
+
+
+def _rewrite(step_dir, item, edit):
+    """Edits a JSON item of a saved step in place and re-seals it: a whole checkpoint with that content."""
+    path = step_dir / item / "metadata"
+    content = json.loads(path.read_text())
+    edit(content)
+    path.write_text(json.dumps(content))
+    ckpt_lib.write_manifest(step_dir, int(step_dir.name))
+
+
+def _legacy_copy(workdir, dest):
+    """A copy of the run as saved before the architecture record existed (no ``run`` item)."""
+    shutil.copytree(workdir, dest)
+    step_dir = dest / "checkpoints" / "4"
+    shutil.rmtree(step_dir / runs.RUN_ITEM)
+    ckpt_lib.write_manifest(step_dir, 4)
+    return dest, step_dir
+
+
+def test_prm_init_from_takes_a_padded_vocabulary(converted, mesh):
+    """An HF config pads the vocabulary beyond the tokenizer's length (Qwen3.5: 248,320 rows); the
+    PRM starts from such a conversion as GRPO and build_policy do (a smaller one: the test above)."""
+    from configs.prm import get_config as prm_config
+
+    from caper_jax.prm import trainer as prm_trainer
+
+    _, out = converted
+    config = runs.read_run(out).model_config
+    prm = prm_config()
+    prm.model.init_from = str(out)
+    model = prm_trainer.build_model(prm, config.vocab_size - 8, mesh, RULES)
+    assert model.config.vocab_size == config.vocab_size
+
+
+def test_prm_init_from_a_recorded_run_ignores_its_stale_preset(sft_run, mesh, tmp_path):
+    """The run's config names preset 'small' but its record is tiny: the record is what build_model
+    builds, so the PRM's preset ('tiny') is not compared with the stale one. A run saved before the
+    record got its architecture from that preset, so there the presets must agree."""
+    from configs.prm import get_config as prm_config
+
+    from caper_jax.prm import trainer as prm_trainer
+
+    workdir, _, arch = sft_run
+    prm = prm_config()
+    prm.model.init_from = str(workdir)
+    prm_trainer.validate(prm)
+    assert prm_trainer.build_model(prm, VOCAB, mesh, RULES).config.hidden_size == arch.hidden_size
+    legacy, _ = _legacy_copy(workdir, tmp_path / "legacy")
+    prm.model.init_from = str(legacy)
+    with pytest.raises(CheckpointError, match="differs from this PRM's .*'preset': \\('small', 'tiny'\\)"):
+        prm_trainer.validate(prm)
+
+
+@pytest.mark.parametrize("preset", [None, "qwen35_0b"])
+def test_a_legacy_run_without_a_known_preset_is_a_checkpoint_error(sft_run, tmp_path, preset):
+    """None: the config has no model.preset at all."""
+    workdir, _, _ = sft_run
+    legacy, step_dir = _legacy_copy(workdir, tmp_path / "legacy")
+    edit = (lambda config: config["model"].pop("preset")) if preset is None else (
+        lambda config: config["model"].update(preset=preset))
+    _rewrite(step_dir, "config", edit)
+    with pytest.raises(CheckpointError, match=f"names no known model.preset \\({preset!r}"):
+        runs.read_run(legacy)
+
+
+def test_every_recorded_list_comes_back_a_tuple(sft_run, tmp_path, monkeypatch):
+    """A sequence field the config may gain stays hashable after the JSON round trip (graphdef, jit keys)."""
+    import dataclasses
+
+    from caper_jax.models.config import Qwen35Config
+
+    @dataclasses.dataclass(frozen=True)
+    class FutureConfig(Qwen35Config):
+        future_ids: tuple[int, ...] = ()
+
+    workdir, _, _ = sft_run
+    shutil.copytree(workdir, tmp_path / "future")
+    _rewrite(tmp_path / "future" / "checkpoints" / "4", runs.RUN_ITEM,
+             lambda record: record["model"].update(future_ids=[3, 5]))
+    monkeypatch.setattr(runs, "Qwen35Config", FutureConfig)
+    model_config = runs.read_run(tmp_path / "future").model_config
+    assert model_config.future_ids == (3, 5) and hash(model_config)

@@ -5,6 +5,7 @@ from flax import nnx
 
 from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.parallel import rules as rules_lib
+from caper_jax.runs import check_vocab
 
 
 def build_policy(model_cfg, vocab_size: int, seed: int, mesh, rules) -> Qwen35ForCausalLM:
@@ -17,8 +18,7 @@ def build_policy(model_cfg, vocab_size: int, seed: int, mesh, rules) -> Qwen35Fo
 
         runtime.pop("dtype")
         model, _ = from_hf(model_cfg.hf_dir, dtype=model_cfg.dtype, mesh=mesh, rules=rules, **runtime)
-        if model.config.vocab_size < vocab_size:
-            raise ValueError(f"{model_cfg.hf_dir}: vocab {model.config.vocab_size} < tokenizer {vocab_size}")
+        check_vocab(model_cfg.hf_dir, model.config.vocab_size, vocab_size)
         return model
     config = model_preset(model_cfg.preset, vocab_size=vocab_size, **runtime)
     return rules_lib.create_sharded(

@@ -122,30 +122,36 @@ def validate(config) -> None:
         check_init_from(config)
 
 
-def check_init_from(config, vocab_size: int | None = None) -> None:
-    """The run named by ``model.init_from`` exists and matches the PRM's architecture: one clear
-    ``CheckpointError`` before any data, annotation or training work (build_model reads the parameters)."""
+def check_init_from(config, run: runs.RunInfo | None = None, vocab_size: int | None = None) -> None:
+    """The run named by ``model.init_from`` exists and fits this PRM: one clear ``CheckpointError``.
+
+    ``validate`` calls it before any data, annotation or training work, and it reads the run's
+    description here; ``build_model`` passes the ``run`` it loaded and the tokenizer's length ``vocab_size``.
+    """
     source = config.model.init_from
     if config.model.hf_dir:
         raise CheckpointError(f"model.init_from={source!r} and model.hf_dir={config.model.hf_dir!r}: set one")
-    try:
-        run = runs.read_run(source, trainers=runs.POLICY_TRAINERS)
-    except CheckpointError as error:
-        raise CheckpointError(f"model.init_from={source!r}: {error}") from error
+    if run is None:
+        try:
+            run = runs.read_run(source, trainers=runs.POLICY_TRAINERS)
+        except CheckpointError as error:
+            raise CheckpointError(f"model.init_from={source!r}: {error}") from error
     stored = run.config.get("model", {})
     from_hf = bool(stored.get("hf_dir") or run.config.get("policy", {}).get("hf_dir"))
     if from_hf and not run.recorded:   # its architecture is only in an HF config.json the run may have outlived
         raise CheckpointError(f"model.init_from={source!r} started from HF weights; set model.hf_dir to those instead")
     expected = {"param_dtype": run.model_config.param_dtype}
-    if not from_hf:   # a run from HF weights (or a conversion) has no preset: its record is the architecture
+    # A recorded run's architecture is its record, which build_model builds whatever the presets say
+    # (a GRPO run's config keeps an unused default preset when its SFT run came from HF weights); a
+    # run saved before the record is still held to the preset rule it was made under.
+    if not run.recorded:
         expected["preset"] = stored.get("preset")
     mismatched = {k: (v, config.model[k]) for k, v in expected.items() if v != config.model[k]}
     if mismatched:
         raise CheckpointError(f"model.init_from={source!r}: the run's model differs from this PRM's "
                               f"(stored, here): {mismatched}")
-    if vocab_size is not None and run.model_config.vocab_size != vocab_size:
-        raise CheckpointError(f"model.init_from={source!r}: its embedding has {run.model_config.vocab_size} rows but "
-                              f"this PRM's tokenizer has {vocab_size} tokens (a different tokenizer)")
+    if vocab_size is not None:
+        runs.check_vocab(f"model.init_from={source!r}", run.model_config.vocab_size, vocab_size)
 
 
 def build_model(config, vocab_size: int, mesh, rules) -> ClausePRM:
@@ -157,10 +163,14 @@ def build_model(config, vocab_size: int, mesh, rules) -> ClausePRM:
     if config.model.get("init_from"):
         from caper_jax.prm.model import backbone_config
 
-        check_init_from(config, vocab_size)
         # The newest whole checkpoint's params, read onto their shardings.
-        backbone = runs.load_run(config.model.init_from, mesh=mesh, rules=rules, trainers=runs.POLICY_TRAINERS,
-                                 dtype=config.model.dtype).model
+        try:
+            run = runs.load_run(config.model.init_from, mesh=mesh, rules=rules, trainers=runs.POLICY_TRAINERS,
+                                dtype=config.model.dtype)
+        except CheckpointError as error:
+            raise CheckpointError(f"model.init_from={config.model.init_from!r}: {error}") from error
+        check_init_from(config, run, vocab_size)
+        backbone = run.model
         if not backbone.config.tie_word_embeddings:
             del backbone.lm_head   # the PRM reads no vocabulary logits (as load_prm_backbone)
         arch = backbone.config.replace(remat=config.model.remat)

@@ -48,12 +48,6 @@ log = logging.getLogger("caper_jax")
 # -- the starting policy and the frozen PRM (other runs, read by caper_jax.runs.load_run)
 
 
-def _check_vocab(what: str, model_vocab: int, tokenizer_size: int) -> None:
-    if model_vocab < tokenizer_size:
-        raise CheckpointError(f"{what}: vocabulary {model_vocab} < tokenizer size {tokenizer_size}; the run was "
-                              "trained with another tokenizer")
-
-
 def load_policy(config, vocab_size: int, mesh, rules):
     """The starting policy: an SFT run's (or converted HF model's) checkpoint, an HF directory or a
     random preset; in this run's dtypes and remat."""
@@ -66,7 +60,7 @@ def load_policy(config, vocab_size: int, mesh, rules):
     else:
         policy = build_policy(config.model, vocab_size, config.seed, mesh, rules)
         multihost.log_main("policy: %s", config.model.hf_dir or f"random {config.model.preset}")
-    _check_vocab("policy", policy.config.vocab_size, vocab_size)
+    runs.check_vocab("policy", policy.config.vocab_size, vocab_size)
     return policy
 
 
@@ -78,7 +72,7 @@ def load_prm(config, vocab_size: int, mesh, rules):
     run = runs.load_run(config.prm.workdir, mesh=mesh, rules=rules, step=config.prm.ckpt, trainers=("prm",),
                         dtype=config.model.dtype)
     prm = run.model
-    _check_vocab("PRM", prm.config.vocab_size, vocab_size)
+    runs.check_vocab("PRM", prm.config.vocab_size, vocab_size)
     multihost.log_main("Clause-PRM: %s step %d", config.prm.workdir, run.step)
     return prm
 

@@ -55,13 +55,13 @@ def test_a_missing_or_mismatched_sft_run_is_one_clear_error(runs, tmp_path):
     sft_dir, prm_dir = runs
     cases = [(_prm_config(str(tmp_path / "nope")), "neither a trainer workdir"),
              (_prm_config(str(prm_dir)), "'prm' trainer, not SFT/GRPO"),
-             (_prm_config(str(sft_dir), preset="small"), "differs from this PRM's"),
+             (_prm_config(str(sft_dir), param_dtype="bfloat16"), "differs from this PRM's"),
              (_prm_config(str(sft_dir), hf_dir="/x"), "set one")]
     for config, message in cases:
         with pytest.raises(CheckpointError, match=message):
             prm_trainer.validate(config)
     with pytest.raises(CheckpointError, match="a different tokenizer"):
-        prm_trainer.check_init_from(_prm_config(str(sft_dir)), vocab_size=7)
+        prm_trainer.check_init_from(_prm_config(str(sft_dir)), vocab_size=10**6)   # more tokens than rows
 
 
 def test_clause_confidence_matches_full_vocabulary_log_probs(runs):
