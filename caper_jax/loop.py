@@ -43,7 +43,8 @@ def check_config(config, *, positive: tuple[str, ...]) -> None:
 
     if config.data.kind not in ("demo", "spider"):
         raise ValueError(f"data.kind={config.data.kind!r}; expected 'demo' or 'spider'")
-    # An HF directory brings its own architecture; the preset then only names the dry run's shapes.
+    # An HF directory brings its own architecture; the preset then only names the dry run's shapes
+    # (check_dry_run refuses an unknown one there).
     if config.model.preset not in PRESETS and not config.model.hf_dir:
         raise ValueError(f"model.preset={config.model.preset!r}; expected one of {PRESETS} or model.hf_dir")
     if config.model.remat not in REMAT_POLICIES:
@@ -86,25 +87,22 @@ def frozen(cfg) -> tuple:
     return tuple(sorted((k, frozen(v) if hasattr(v, "items") else v) for k, v in cfg.items()))
 
 
-def cached_program(key: tuple, build: Callable[[], Callable]) -> Callable:
-    """One jitted program per ``key`` and process. ``key`` must hold everything the program depends on
-    (graphdef, hyperparameters, shardings); a resumed or repeated run in the same process then reuses
-    the compiled program instead of tracing and compiling a fresh ``jax.jit`` of a new partial."""
-    if key not in _PROGRAMS:
-        _PROGRAMS[key] = build()
-    return _PROGRAMS[key]
-
-
 def jit_state_step(step: Callable, key: tuple | None, state_sharding=None) -> Callable:
     """``step(state, batch) -> (state, metrics)`` jitted with the state donated (and laid out as
     ``state_sharding``); cached per process under ``key`` plus the shardings, or not cached when
-    ``key`` is None (the dry run's abstract state)."""
+    ``key`` is None (the dry run's abstract state).
+
+    ``key`` must hold everything ``step`` depends on (graphdef, hyperparameters); a resumed or
+    repeated run in the same process then reuses the compiled program instead of tracing and
+    compiling a fresh ``jax.jit`` of a new partial."""
     def build():
         return jax.jit(step, donate_argnums=0, out_shardings=None if state_sharding is None else (state_sharding, None))
     if key is None:
         return build()
-    shardings = None if state_sharding is None else tuple(jax.tree.leaves(state_sharding))
-    return cached_program((*key, shardings), build)
+    key = (*key, None if state_sharding is None else tuple(jax.tree.leaves(state_sharding)))
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = build()
+    return _PROGRAMS[key]
 
 
 # -- the run
@@ -176,6 +174,8 @@ class Run:
         written every ``eval_every`` steps but the last (the trainer's own final evaluation follows).
         """
         config = self.config
+        if evaluate is not None and eval_every < 1:
+            raise ValueError(f"eval_every={eval_every} must be >= 1 when an evaluate hook is given")
         total = config.optim.total_steps
         progress = Progress(total, int(state.step))
         window, window_start = [], time.perf_counter()
@@ -224,38 +224,58 @@ class Run:
 
 def finish_policy_run(run: Run, results: dict, rows: list[dict], policy, tokenizer, *, curves: list[str],
                       png: str, title: str) -> None:
-    """The end of an SFT or GRPO run: eval metrics, curves, results.json, predictions, HF export."""
+    """The end of an SFT or GRPO run: eval metrics, curves, HF export, predictions, then results.json.
+
+    results.json comes last: it marks the run done (``caper_jax.reproduce.done``), so a run stopped
+    during the export is not taken for a finished one."""
     run.finish({k: v for k, v in results.items() if k.startswith("eval/")} if "eval/n" in results else None,
                curves=curves, png=png, title=title)
-    if run.main:
-        (run.workdir / "results.json").write_text(json.dumps(results, indent=1))
-        with (run.workdir / "predictions_eval.jsonl").open("w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
     if run.config.export_hf:
         from caper_jax.models import to_hf
 
         out = to_hf(policy, policy.config, run.workdir / "hf_export")
         if run.main:
             tokenizer.save_pretrained(str(out))
+    if run.main:
+        with (run.workdir / "predictions_eval.jsonl").open("w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        (run.workdir / "results.json").write_text(json.dumps(results, indent=1))
 
 
 # -- dry run
+
+
+def check_dry_run(config) -> None:
+    """The dry run's config rule on top of ``check_config``: it compiles ``model.preset``'s shapes (it
+    reads no HF directory), so the preset must be known even when ``model.hf_dir`` is set."""
+    from caper_jax.models.presets import PRESETS
+
+    if config.model.preset not in PRESETS:
+        raise ValueError(f"model.preset={config.model.preset!r}: a dry run compiles a preset's shapes; expected "
+                         f"one of {PRESETS}")
+
+
+def dry_run_architecture(config, **changes):
+    """What a dry run compiles: ``model.preset``'s architecture in the config's dtypes and remat,
+    ``changes`` overriding fields (``caper_jax.parallel.grpo_dry_run`` builds its PRM without remat)."""
+    from caper_jax.models.presets import model_preset
+
+    runtime = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat)
+    return model_preset(config.model.preset, **{**runtime, **changes})
 
 
 def dry_run(config, module: type[nnx.Module], make_step: Callable[[Any, Any], Callable],
             make_batch: Callable[[Callable], dict], description: str) -> dict:
     """Lowers + compiles a train step on abstract shapes for the current devices; no weights.
 
-    ``module(arch, rngs=, mesh=, rules=)`` is the model of ``config.model.preset``; ``make_step(graphdef,
+    ``module(arch, rngs=, mesh=, rules=)`` is the model of ``dry_run_architecture``; ``make_step(graphdef,
     tx)`` the jitted step; ``make_batch(struct)`` its batch, ``struct(shape, dtype)`` being an abstract
     array with the batch sharding.
     """
-    from caper_jax.models.presets import model_preset
     from caper_jax.parallel.dry_run import report
 
     mesh, rules = mesh_and_rules(config)
-    arch = model_preset(config.model.preset, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
-                        remat=config.model.remat)
+    arch = dry_run_architecture(config)
     tx = make_optimizer(config.optim)
     graphdef, abstract = rules_lib.abstract_train_state(
         lambda: module(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), lambda p: init_state(p, tx), mesh, rules)

@@ -22,6 +22,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from caper_jax import loop
 from caper_jax.parallel import multihost
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/prm.py[:arg].",
@@ -114,6 +115,8 @@ def main(argv: list[str]) -> None:
     multihost.initialize()
     try:
         trainer.validate(config)
+        if _DRY_RUN.value:
+            loop.check_dry_run(config)
     except (ValueError, KeyError) as e:
         sys.exit(f"error: invalid config: {e}")
     if _DRY_RUN.value:

@@ -107,3 +107,32 @@ def test_loop_stops_on_consecutive_refused_updates(tmp_path):
                                                  r"the updates were refused and the last good checkpoint in .*"
                                                  r"checkpoints is intact\. Lower optim.lr or check the data\."):
         run.train(state, refuse, log_line=lambda s: "")
+
+
+def test_an_evaluate_hook_needs_eval_every(tmp_path):
+    run, state = _toy_run(tmp_path)
+    with pytest.raises(ValueError, match="eval_every=0 must be >= 1 when an evaluate hook is given"):
+        run.train(state, _count, log_line=lambda s: "", evaluate=lambda state: {})
+
+
+def test_a_policy_run_stopped_during_its_export_writes_no_results_json(tmp_path, monkeypatch):
+    """results.json marks a stage done (caper_jax.reproduce.done), so it comes after the HF export."""
+    import types
+
+    import caper_jax.models
+
+    run, state = _toy_run(tmp_path)
+    run.train(state, _count, log_line=lambda s: "")
+    run.config.export_hf = True
+
+    class Stopped(Exception):
+        pass
+
+    def killed(*args):
+        raise Stopped("stopped during the export")
+
+    monkeypatch.setattr(caper_jax.models, "to_hf", killed)
+    with pytest.raises(Stopped):
+        loop.finish_policy_run(run, {"steps": 5}, [], types.SimpleNamespace(config=None), None, curves=[],
+                               png="loss.png", title="toy")
+    assert not (run.workdir / "results.json").exists()

@@ -27,3 +27,13 @@ def test_bad_config_is_one_clear_error(args, message, tmp_path):
     assert message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "w").exists(), "nothing may be written for a refused config"
+
+
+def test_dry_run_refuses_an_unknown_preset_even_with_an_hf_dir(tmp_path):
+    """model.hf_dir lets a run through whatever the preset; a dry run compiles the preset's shapes."""
+    result = run_train("--config=configs/prm.py", "--config.model.preset=qwen35_0b", "--config.model.hf_dir=/x",
+                       "--dry_run", tmp_path=tmp_path)
+    assert result.returncode != 0
+    assert "invalid config: model.preset='qwen35_0b': a dry run compiles a preset's shapes" in result.stderr, \
+        result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

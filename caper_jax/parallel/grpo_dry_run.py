@@ -74,8 +74,8 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) 
 
     Returns ``{"programs": {name: ProgramFigures}, "persistent": {name: bytes per device}, "config": ...}``.
     """
+    from caper_jax.loop import dry_run_architecture
     from caper_jax.models import Qwen35ForCausalLM
-    from caper_jax.models.presets import model_preset
     from caper_jax.models.sampler import SamplingConfig, _decode, _prefill
     from caper_jax.policy.logprobs import jit_completion_logprobs
     from caper_jax.prm.model import ClausePRM
@@ -84,8 +84,7 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) 
     from caper_jax.utils.optim import init_state, make_optimizer
 
     rules = tuple(tuple(r) for r in config.sharding_rules)
-    runtime = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat)
-    arch = model_preset(config.model.preset, **runtime)
+    arch = dry_run_architecture(config)
     tx = make_optimizer(config.optim)
     graphdef, state = rules_lib.abstract_train_state(
         lambda: Qwen35ForCausalLM(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules),
@@ -94,8 +93,9 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) 
     use_ref = config.rl.beta > 0
     use_prm = reward_variant(config.reward.variant).uses_prm
     prm_graphdef = prm_params = None
-    if use_prm:  # load_prm: the PRM's own preset, this run's compute dtype, no remat
-        prm_arch = model_preset(config.model.preset, **dict(runtime, remat="none"))
+    if use_prm:  # load_prm builds the PRM run's recorded architecture, which a dry run (reading no run)
+        # takes to be the policy's preset; this run's compute dtype, no remat, as load_prm
+        prm_arch = dry_run_architecture(config, remat="none")
         prm_graphdef, prm_params = rules_lib.abstract_state(
             lambda: ClausePRM(prm_arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules)
     persistent = {
