@@ -446,7 +446,7 @@ def run(config: ConfigDict, workdir: str) -> dict:
 
 def collect(config: ConfigDict, out: pathlib.Path) -> dict:
     """results.json's content from the stages' own results files."""
-    from caper_jax.eval.localization import SEES_GOLD, best_fair_baseline
+    from caper_jax.prm.localization import SEES_GOLD, best_fair_baseline
 
     prm = json.loads((out / "prm" / "results.json").read_text())
     # Empty when no held-out sample both failed and parsed (a policy that writes only garbage).
@@ -908,7 +908,7 @@ def verify_systems(config: ConfigDict, view: pathlib.Path, candidates: list[dict
 
 
 def collect_verifier(config: ConfigDict, out: pathlib.Path) -> dict:
-    from caper_jax.eval.localization import best_fair_baseline
+    from caper_jax.prm.localization import best_fair_baseline
 
     prm = json.loads((out / "prm" / "results.json").read_text())
     localization = prm.get("localization", {})

@@ -339,7 +339,7 @@ class OracleScorer:
         self.blame_root = blame_root
 
     def score_queries(self, rows):
-        from caper_jax.eval import localization as loc
+        from caper_jax.prm import localization as loc
         from caper_jax.sql.contract import CLAUSE_ORDER
 
         out = []

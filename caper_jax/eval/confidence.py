@@ -1,7 +1,7 @@
 """The policy's own confidence in each clause of a query: the gold-free ``confidence`` baseline.
 
 For a query the policy could have written, the mean log-probability of each clause's tokens under
-the policy (``caper_jax.eval.localization.clause_mean_logprobs``): the clause it is least sure of is
+the policy (``caper_jax.prm.localization.clause_mean_logprobs``): the clause it is least sure of is
 the one a confidence-based localiser blames. The sequence is the one the SFT trainer trains on
 (``caper_jax.sft.data.encode_examples``): ``policy_prompt`` ++ SQL ++ END_OF_SQL, tokenised as two
 parts, so the log-probs are exactly those of the policy's own training objective; the stop token
@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from caper_jax.eval.localization import clause_mean_logprobs
+from caper_jax.prm.localization import clause_mean_logprobs
 from caper_jax.sql.clauses import SqlParseError, split_clauses
 
 LENGTH_MULTIPLE = 64   # sequence lengths are rounded up to this: few compiled shapes

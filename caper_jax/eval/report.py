@@ -1,7 +1,7 @@
 """Markdown tables and PNG plots of evaluation results (matplotlib, Agg backend, no display).
 
 * Localisation (``python -m caper_jax.verify localize``): top-1 and MRR per true root clause for the
-  PRM and its baselines (tables from ``caper_jax.eval.prm_heldout``), bar plots of both, and the
+  PRM and its baselines (tables from ``caper_jax.prm.heldout``), bar plots of both, and the
   PRM's true-vs-blamed confusion as a table and a heat map (rows normalised, counts printed).
 * Policy evaluation (``python -m caper_jax.evaluate --config=configs/eval.py``): one table of EX per
   decoding/selection method.
@@ -12,7 +12,7 @@ import pathlib
 
 import numpy as np
 
-from caper_jax.eval.prm_heldout import confusion_table, localization_table
+from caper_jax.prm.heldout import confusion_table, localization_table
 from caper_jax.sql.contract import CLAUSE_ORDER
 from caper_jax.utils.monitoring import plot_bars
 

@@ -31,7 +31,7 @@ Ctrl-C exits 130 with no summary.
 root as ``root_clause`` or ``true_root_clause``; without one, the annotator's counterfactual
 localisation ``caper_jax.sql.localize`` labels the line, and a prediction it finds correct is
 skipped). Clauses ranked lowest-score-first give top-1 and MRR per true clause for the PRM and the
-baselines of ``caper_jax.eval.localization``; written to ``--output_dir`` as ``localization.json``,
+baselines of ``caper_jax.prm.localization``; written to ``--output_dir`` as ``localization.json``,
 ``localization.md`` (tables, confusion of true vs blamed clause) and PNG plots.
 """
 from __future__ import annotations
@@ -194,7 +194,7 @@ def read_failures(data_dir: str | os.PathLike, split: str, predictions: str | os
     from caper_jax.sql.clauses import SqlParseError, split_clauses
     from caper_jax.sql.localize import GoldError, localize
     from caper_jax.sql.schema import Schema
-    from caper_jax.eval.prm_heldout import with_baseline_inputs
+    from caper_jax.prm.heldout import with_baseline_inputs
 
     report = report or _stderr
     examples: list = []
@@ -289,9 +289,9 @@ def _failure_record(record: Any, split_examples: Callable[[], list]) -> dict:
 def localization_report(scorer: Scorer, rows: list[dict], out_dir: str | os.PathLike, skipped: dict) -> dict:
     """Scores the failures, summarises PRM vs baselines, writes json, markdown and plots."""
     from caper_jax.eval import report as report_lib
-    from caper_jax.eval import prm_heldout
+    from caper_jax.prm import heldout
 
-    localization = prm_heldout.localization_summaries(rows, scorer.score_queries(rows)) if rows else {}
+    localization = heldout.localization_summaries(rows, scorer.score_queries(rows)) if rows else {}
     results = {"n": len(rows), "skipped": skipped,
                "root_source": dict(collections.Counter(r["root_source"] for r in rows)),
                "localization": localization}

@@ -153,7 +153,7 @@ def clause_names(sql: str) -> list[str]:
         return []
 
 
-# -- batched scoring (caper_jax.eval.prm_heldout scores its held-out failures with it too)
+# -- batched scoring (caper_jax.prm.heldout scores its held-out failures with it too)
 
 
 def _check_rows(rows: Sequence[Mapping[str, Any]]) -> None:

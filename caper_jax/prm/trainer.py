@@ -25,7 +25,7 @@ from caper_jax.data import prm_pipeline as pipe_lib
 from caper_jax.data.world import DataWorld, prepare_world
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
-from caper_jax.eval import prm_heldout as evaluation
+from caper_jax.prm import heldout
 from caper_jax.prm.export import export_prm_to_hf
 from caper_jax.prm.loss import LmAuxConfig, PairLossConfig
 from caper_jax.prm.model import ClausePRM
@@ -234,7 +234,7 @@ def run(config, workdir: str) -> dict:
             {k: v for k, v in host_batch.items() if k != "record_index"}, mesh, rules)
         return train_step(state, batch)
 
-    evaluator = evaluation.PrmEvaluator(world, tokenizer, eval_path, config, mesh, rules)
+    evaluator = heldout.PrmEvaluator(world, tokenizer, eval_path, config, mesh, rules)
     state = run.train(state, step, log_line=lambda s: f"  loss {s['train/loss']:.4f}  acc {s['train/accuracy']:.3f}",
                       evaluate=lambda state: evaluator.pairwise(state.params, eval_scores),
                       eval_every=config.eval_every)
@@ -243,7 +243,7 @@ def run(config, workdir: str) -> dict:
     run.finish(results["metrics"], curves=["train/loss", "train/accuracy", "eval/pair_accuracy", "eval/loss"],
                png="loss_curve.png", title="Clause-PRM training")
     if run.main:
-        evaluation.write_report(results, workdir)
+        heldout.write_report(results, workdir)
     if config.export_hf:
         export_prm_to_hf(nnx.merge(graphdef, state.params), workdir / "hf_export", tokenizer)
     from caper_jax.utils import summary as summary_lib

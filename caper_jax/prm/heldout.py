@@ -3,7 +3,7 @@
 * **Pairwise**: on held-out preference tuples, the share with r(u+) > r(u-), overall and per clause.
 * **Localisation**: on held-out FAILED trajectories, the PRM scores every clause of the prediction in
   one forward pass; clauses ranked lowest-first give top-1 and MRR against the true root clause,
-  next to the baselines of ``caper_jax.eval.localization``: heuristic (sees gold: a reference row),
+  next to the baselines of ``caper_jax.prm.localization``: heuristic (sees gold: a reference row),
   execution-only and random always; the SFT policy's confidence when the prediction lines carry
   ``clause_logprob`` (per-clause mean token log-prob, ``caper_jax.eval.confidence``) and sample
   disagreement when they carry ``samples`` (the question's k samples), each only when every
@@ -23,7 +23,7 @@ import numpy as np
 from caper_jax.data import prm_pipeline as pipe_lib
 from caper_jax.data.spider import load_schemas
 from caper_jax.parallel import multihost
-from caper_jax.eval import localization as loc
+from caper_jax.prm import localization as loc
 from caper_jax.prm.scoring import scores_in_batches
 from caper_jax.sql.clauses import SqlParseError, split_clauses
 from caper_jax.sql.contract import CLAUSE_ORDER, serialize_schema

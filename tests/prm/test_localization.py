@@ -3,10 +3,10 @@ import numpy as np
 
 import pytest
 
-from caper_jax.eval.localization import (SEES_GOLD, Case, best_fair_baseline, clause_mean_logprobs,
-                                        confidence_scores, disagreement_scores, execution_scores,
-                                        expected_rank_metrics, heuristic_scores, random_scores, summarize,
-                                        true_index_for)
+from caper_jax.prm.localization import (SEES_GOLD, Case, best_fair_baseline, clause_mean_logprobs,
+                                       confidence_scores, disagreement_scores, execution_scores,
+                                       expected_rank_metrics, heuristic_scores, random_scores, summarize,
+                                       true_index_for)
 
 ORDER = ("SELECT", "FROM", "WHERE", "GROUP BY", "HAVING", "ORDER BY", "LIMIT")
 

@@ -6,7 +6,7 @@ import types
 import numpy as np
 import pytest
 
-from caper_jax.eval.prm_heldout import PrmEvaluator, localization_summaries
+from caper_jax.prm.heldout import PrmEvaluator, localization_summaries
 from caper_jax.sql.schema import Schema
 from caper_jax.sql.tuples import tables_entry
 
@@ -59,7 +59,7 @@ def test_gold_free_baselines_come_from_the_prediction_lines(tmp_path):
     assert [r["root"] for r in rows] == ["WHERE", "ORDER BY"]
     # WHERE age > 40 is written by 1 of the 3 samples; the aliased sample has the same canonical clauses
     # as the gold-shaped one, so SELECT/FROM/ORDER BY agree in all 3.
-    from caper_jax.eval import localization as loc
+    from caper_jax.prm import localization as loc
     assert loc.disagreement_scores(rows[0]["pred_forms"], rows[0]["sample_forms"]) == (1.0, 1.0, 1 / 3, 1.0)
     assert loc.disagreement_scores(rows[1]["pred_forms"], rows[1]["sample_forms"]) == (1.0, 1.0, 2 / 3, 0.0)
     prm = [np.array([0.0, 0.0, -1.0, 0.0]), np.array([0.0, -1.0, 0.0, 0.0])]   # right, then wrong (FROM)
