@@ -236,9 +236,9 @@ def confusion_table(summary: dict) -> str:
 
 
 def write_report(results: dict, workdir: pathlib.Path) -> None:
-    """results.json, localization.md and the per-clause localisation plot."""
+    """localization.md, the per-clause localisation plot, then results.json (last: it marks the run
+    done, ``caper_jax.reproduce.done``)."""
     workdir = pathlib.Path(workdir)
-    (workdir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     localization = results.get("localization", {})
     metrics = results["metrics"]
     text = ["# Clause-PRM evaluation\n",
@@ -254,3 +254,4 @@ def write_report(results: dict, workdir: pathlib.Path) -> None:
         plot_bars(groups, workdir / "localization_per_clause.png",
                   title="Root-cause localisation top-1 by true clause", ylabel="top-1")
     (workdir / "localization.md").write_text("\n".join(text))
+    (workdir / "results.json").write_text(json.dumps(results, indent=1) + "\n")

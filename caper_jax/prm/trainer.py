@@ -187,6 +187,16 @@ def build_model(config, vocab_size: int, mesh, rules) -> ClausePRM:
         lambda: ClausePRM(model_config, rngs=nnx.Rngs(config.seed), mesh=mesh, rules=rules), mesh, rules)
 
 
+def write_outputs(config, workdir: pathlib.Path, results: dict, model: ClausePRM, tokenizer, *, main: bool) -> None:
+    """The HF export (``export_hf``, every process), then the report (process 0). The report's
+    results.json comes last: it marks the run done (``caper_jax.reproduce.done``), so a run stopped
+    during the export is not taken for a finished one."""
+    if config.export_hf:
+        export_prm_to_hf(model, workdir / "hf_export", tokenizer)
+    if main:
+        heldout.write_report(results, workdir)
+
+
 def run(config, workdir: str) -> dict:
     run = loop.Run.start(config, workdir)
     workdir = run.workdir
@@ -242,10 +252,7 @@ def run(config, workdir: str) -> dict:
         results = evaluator.full(state.params, eval_scores, clause_scores)
     run.finish(results["metrics"], curves=["train/loss", "train/accuracy", "eval/pair_accuracy", "eval/loss"],
                png="loss_curve.png", title="Clause-PRM training")
-    if run.main:
-        heldout.write_report(results, workdir)
-    if config.export_hf:
-        export_prm_to_hf(nnx.merge(graphdef, state.params), workdir / "hf_export", tokenizer)
+    write_outputs(config, workdir, results, nnx.merge(graphdef, state.params), tokenizer, main=run.main)
     from caper_jax.utils import summary as summary_lib
 
     summary_lib.prm_run(results, workdir, run.elapsed(), export=config.export_hf)

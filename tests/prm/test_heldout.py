@@ -87,3 +87,28 @@ def test_verify_localize_reads_the_baseline_inputs_too(tmp_path):
     assert skipped == {} and [r["root"] for r in rows] == ["WHERE", "ORDER BY"]
     assert rows[0]["clause_logprob"] == [-0.1, -0.2, -2.0, -0.3] and len(rows[0]["sample_forms"]) == 2
     assert "clause_logprob" not in rows[1] and "sample_forms" not in rows[1]
+
+
+def test_a_prm_run_stopped_before_its_end_writes_no_results_json(tmp_path, monkeypatch):
+    """results.json marks a stage done (caper_jax.reproduce.done): the HF export and the rest of the
+    report come before it."""
+    from ml_collections import ConfigDict
+
+    from caper_jax.prm import heldout
+    from caper_jax.prm import trainer as prm_trainer
+
+    class Stopped(Exception):
+        pass
+
+    def stopped(*args, **kwargs):
+        raise Stopped("stopped")
+
+    results = {"metrics": {"eval/pair_accuracy": 0.5}, "n_eval_tuples": 2, "n_failures": 0, "localization": {}}
+    monkeypatch.setattr(prm_trainer, "export_prm_to_hf", stopped)
+    with pytest.raises(Stopped):
+        prm_trainer.write_outputs(ConfigDict({"export_hf": True}), tmp_path, results, None, None, main=True)
+    assert not (tmp_path / "results.json").exists()
+    monkeypatch.setattr(heldout, "localization_table", stopped)
+    with pytest.raises(Stopped):
+        heldout.write_report(results, tmp_path)
+    assert not (tmp_path / "results.json").exists()
