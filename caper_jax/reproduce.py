@@ -44,8 +44,10 @@ import jax
 import numpy as np
 from ml_collections import ConfigDict
 
+from caper_jax import loop
 from caper_jax.parallel import multihost
 from caper_jax.rl.rewards import VARIANTS
+from caper_jax.utils.subset import seeded_subset
 
 log = logging.getLogger("caper_jax")
 
@@ -183,6 +185,47 @@ class StageClock:
             self.path.write_text(json.dumps(self.seconds, indent=1) + "\n")
 
 
+def start_stages(out: pathlib.Path) -> StageClock:
+    """The workdir, XLA's persistent compilation cache in it and the stage clock: the many trainer runs
+    and evaluations compile the same programs again and again, and the cache turns every compile after
+    the first into a lookup."""
+    out.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(out / "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return StageClock(out / "stage_seconds.json")
+
+
+def samples_stage(clock: StageClock, config: ConfigDict, data_dir: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """The SFT policy's k samples per training question (``sample_train_questions``), once; their path."""
+    train_samples = out / "samples" / "train.jsonl"
+    with clock("samples"):
+        if not train_samples.exists():
+            n = sample_train_questions(config, data_dir, out / "sft", train_samples)
+            multihost.log_main("%d distinct samples of %d training questions", n, config.samples.train_questions)
+    return train_samples
+
+
+def confidence_stage(clock: StageClock, out: pathlib.Path, write_prm_data) -> None:
+    """``write_prm_data()`` (prm_data/ with the SFT policy's clause confidences) before the PRM trains;
+    a marker file records that it ran to the end, so an interrupted run writes it again."""
+    marker = out / "prm_data" / "CONFIDENCE_DONE"
+    with clock("confidence"):
+        if not done(out / "prm") and not marker.exists():
+            write_prm_data()
+            marker.touch()
+
+
+def pick_stage(clock: StageClock, config: ConfigDict, data_dir: pathlib.Path, train_samples: pathlib.Path,
+               out: pathlib.Path) -> None:
+    """``rerank_pick.json``: the reranker picked on training questions (``pick_reranker``), once."""
+    with clock("pick"):
+        if not (out / "rerank_pick.json").exists():
+            pick = pick_reranker(config, data_dir, train_samples, out / "prm")
+            (out / "rerank_pick.json").write_text(json.dumps(pick, indent=1) + "\n")
+            multihost.log_main("reranker picked on %d training questions: %s (EX %s)", pick["n"], pick["picked"],
+                               {k: round(v, 3) for k, v in pick["ex"].items()})
+
+
 def prepare_data(config: ConfigDict, out: pathlib.Path) -> tuple[pathlib.Path, str]:
     """(Spider-layout data dir, tokenizer dir): the demo world built under ``out/world``, or data.dir."""
     from caper_jax.data.world import prepare_world
@@ -201,13 +244,11 @@ def sample_train_questions(config: ConfigDict, data_dir: pathlib.Path, policy_di
     """k samples per training question of the SFT policy (no greedy decode) -> prediction records."""
     from caper_jax.sql.contract import policy_prompt
     from caper_jax.eval import policy as policy_lib
-    from caper_jax.parallel import mesh as mesh_lib
     from caper_jax.policy import sampling
     from caper_jax.sql.execution import Executors
 
     e = config.eval
-    mesh = mesh_lib.make_mesh(e.mesh_shape.to_dict())
-    rules = tuple(tuple(r) for r in e.sharding_rules)
+    mesh, rules = loop.mesh_and_rules(e)
     policy = policy_lib.load_policy(policy_dir, mesh, rules)
     schema_values = (policy.train_config or {}).get("data", {}).get("schema_values", 0)
     with Executors(policy_lib.database_dir(data_dir), timeout_s=e.timeout_s) as executors:
@@ -271,6 +312,14 @@ def eval_examples(config: ConfigDict, data_dir: pathlib.Path, eval_dir: pathlib.
     return examples
 
 
+def prm_scorer(config: ConfigDict, prm_dir: pathlib.Path, mesh, rules):
+    """The Clause-PRM of ``prm_dir`` as the evaluation scores with it (``config.eval.prm``'s batch and length)."""
+    from caper_jax.prm.scoring import load_scorer
+
+    e = config.eval
+    return load_scorer(prm_dir, mesh=mesh, rules=rules, batch_size=e.prm.batch_size, max_len=e.prm.max_len or None)
+
+
 def add_policy_confidence(config: ConfigDict, examples: list, policy_dir: pathlib.Path,
                           predictions: pathlib.Path) -> None:
     """Adds ``clause_logprob`` (the policy's mean token log-prob per clause, ``caper_jax.eval.confidence``)
@@ -278,11 +327,10 @@ def add_policy_confidence(config: ConfigDict, examples: list, policy_dir: pathli
     prompt as the policy reads it (its schema text); a line whose question is not among them is an error."""
     from caper_jax.eval import policy as policy_lib
     from caper_jax.eval.confidence import clause_logprobs
-    from caper_jax.parallel import mesh as mesh_lib
 
     e = config.eval
-    mesh = mesh_lib.make_mesh(e.mesh_shape.to_dict())
-    policy = policy_lib.load_policy(policy_dir, mesh, tuple(tuple(r) for r in e.sharding_rules))
+    mesh, rules = loop.mesh_and_rules(e)
+    policy = policy_lib.load_policy(policy_dir, mesh, rules)
     by_question = {(ex.db_id, ex.question, ex.sql): ex for ex in examples}
     records = [json.loads(line) for line in predictions.read_text().splitlines() if line.strip()]
     rows = []
@@ -312,17 +360,13 @@ def pick_reranker(config: ConfigDict, data_dir: pathlib.Path, train_samples: pat
     questions (the groups of k ``sample_train_questions`` drew), and the best of them (ties: the first in
     ``rerankers`` order). The test split never takes part in the choice."""
     from caper_jax.eval import policy as policy_lib
-    from caper_jax.parallel import mesh as mesh_lib
-    from caper_jax.prm.scoring import load_scorer
     from caper_jax.sql.execution import Executors
 
     e = config.eval
     groups = [json.loads(line) for line in groups_path(train_samples).read_text().splitlines() if line.strip()]
-    order = np.random.default_rng(config.seed).permutation(len(groups))[:config.report.pick_questions]
-    groups = [groups[i] for i in sorted(order)]
-    mesh = mesh_lib.make_mesh(e.mesh_shape.to_dict())
-    rules = tuple(tuple(r) for r in e.sharding_rules)
-    scorer = load_scorer(prm_dir, mesh=mesh, rules=rules, batch_size=e.prm.batch_size, max_len=e.prm.max_len or None)
+    groups = seeded_subset(groups, config.report.pick_questions, config.seed)
+    mesh, rules = loop.mesh_and_rules(e)
+    scorer = prm_scorer(config, prm_dir, mesh, rules)
     schema_values = config.sft.data.get("schema_values", 0)
     with Executors(policy_lib.database_dir(data_dir), timeout_s=e.timeout_s) as executors:
         examples, _ = policy_lib.usable_examples(data_dir, config.sft.data.train_split, schema_values, executors,
@@ -344,27 +388,21 @@ def rerank_saved_samples(config: ConfigDict, data_dir: pathlib.Path, eval_dir: p
                          ) -> dict:
     """Adds PRM best-of-k to an evaluation whose samples were drawn before the PRM existed."""
     from caper_jax.eval import policy as policy_lib
-    from caper_jax.parallel import mesh as mesh_lib
-    from caper_jax.prm.scoring import load_scorer
     from caper_jax.sql.execution import Executors
 
     results = json.loads((eval_dir / "results.json").read_text())
     rows = [json.loads(line) for line in (eval_dir / "predictions.jsonl").read_text().splitlines()]
-    ec = results["config"]
+    examples = eval_examples(config, data_dir, eval_dir)
+    if [ex.question for ex in examples] != [r["question"] for r in rows]:
+        raise RuntimeError(f"{eval_dir}: its predictions no longer match the examples of {data_dir}")
     e = config.eval
-    mesh = mesh_lib.make_mesh(e.mesh_shape.to_dict())
-    rules = tuple(tuple(r) for r in e.sharding_rules)
-    scorer = load_scorer(prm_dir, mesh=mesh, rules=rules, batch_size=e.prm.batch_size, max_len=e.prm.max_len or None)
-    with Executors(policy_lib.database_dir(data_dir), timeout_s=e.timeout_s) as executors:
-        examples, _ = policy_lib.usable_examples(data_dir, ec["data"]["split"], results["schema_values"], executors,
-                                                 ec["data"]["num_examples"], ec["seed"])
-        if [ex.question for ex in examples] != [r["question"] for r in rows]:
-            raise RuntimeError(f"{eval_dir}: its predictions no longer match the examples of {data_dir}")
-        with jax.set_mesh(mesh):
-            metrics, new_rows = policy_lib.score_examples(
-                examples, [r["greedy"] for r in rows], [r["samples"] for r in rows], executors,
-                semantics=ec["data"]["semantics"], prm_scores=scorer.score_queries,
-                aggregates=tuple(e.prm.aggregates))
+    mesh, rules = loop.mesh_and_rules(e)
+    scorer = prm_scorer(config, prm_dir, mesh, rules)
+    with Executors(policy_lib.database_dir(data_dir), timeout_s=e.timeout_s) as executors, jax.set_mesh(mesh):
+        metrics, new_rows = policy_lib.score_examples(
+            examples, [r["greedy"] for r in rows], [r["samples"] for r in rows], executors,
+            semantics=results["config"]["data"]["semantics"], prm_scores=scorer.score_queries,
+            aggregates=tuple(e.prm.aggregates))
     results.update(metrics=metrics, prm=str(prm_dir))
     write_jsonl(eval_dir / "predictions.jsonl", new_rows)
     (eval_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -381,12 +419,7 @@ def run(config: ConfigDict, workdir: str) -> dict:
 
     started = time.perf_counter()
     out = pathlib.Path(workdir)
-    out.mkdir(parents=True, exist_ok=True)
-    # Nine GRPO runs and ten evaluations compile the same programs again and again; XLA's
-    # persistent cache turns every compile after the first into a lookup.
-    jax.config.update("jax_compilation_cache_dir", str(out / "jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    clock = StageClock(out / "stage_seconds.json")
+    clock = start_stages(out)
 
     with clock("world"):
         data_dir, tokenizer_dir = prepare_data(config, out)
@@ -397,28 +430,19 @@ def run(config: ConfigDict, workdir: str) -> dict:
     with clock("eval_sft"):
         if not done(out / "eval" / "sft"):
             policy_lib.run(eval_config(config, data_dir, out / "sft", ""), out / "eval" / "sft")
-    with clock("samples"):
-        train_samples = out / "samples" / "train.jsonl"
-        if not train_samples.exists():
-            n = sample_train_questions(config, data_dir, out / "sft", train_samples)
-            multihost.log_main("%d distinct samples of %d training questions", n, config.samples.train_questions)
-    dev_predictions = out / "prm_data" / f"predictions_{configs['prm'].data.eval_split}.jsonl"
-    with clock("confidence"):
-        if not done(out / "prm") and not (out / "prm_data" / "CONFIDENCE_DONE").exists():
-            build_prm_data(data_dir, train_samples, out / "eval" / "sft" / "predictions.jsonl", out / "prm_data",
-                           configs["prm"].data.train_split, configs["prm"].data.eval_split)
-            add_policy_confidence(config, eval_examples(config, data_dir, out / "eval" / "sft"), out / "sft",
-                                  dev_predictions)
-            (out / "prm_data" / "CONFIDENCE_DONE").touch()
+    train_samples = samples_stage(clock, config, data_dir, out)
+
+    def write_prm_data():
+        build_prm_data(data_dir, train_samples, out / "eval" / "sft" / "predictions.jsonl", out / "prm_data",
+                       configs["prm"].data.train_split, configs["prm"].data.eval_split)
+        add_policy_confidence(config, eval_examples(config, data_dir, out / "eval" / "sft"), out / "sft",
+                              out / "prm_data" / f"predictions_{configs['prm'].data.eval_split}.jsonl")
+
+    confidence_stage(clock, out, write_prm_data)
     with clock("prm"):
         if not done(out / "prm"):
             prm_trainer.run(configs["prm"], str(out / "prm"))
-    with clock("pick"):
-        if not (out / "rerank_pick.json").exists():
-            pick = pick_reranker(config, data_dir, train_samples, out / "prm")
-            (out / "rerank_pick.json").write_text(json.dumps(pick, indent=1) + "\n")
-            multihost.log_main("reranker picked on %d training questions: %s (EX %s)", pick["n"], pick["picked"],
-                               {k: round(v, 3) for k, v in pick["ex"].items()})
+    pick_stage(clock, config, data_dir, train_samples, out)
     with clock("rerank_sft"):
         if "prm" not in json.loads((out / "eval" / "sft" / "results.json").read_text())["metrics"]:
             rerank_saved_samples(config, data_dir, out / "eval" / "sft", out / "prm")
@@ -782,21 +806,14 @@ def build_spider_view(config: ConfigDict, view: pathlib.Path) -> dict:
         if not (view / name).exists():
             (view / name).symlink_to(src / name)
     present = {p.name for p in (src / "database").iterdir() if (p / f"{p.name}.sqlite").is_file()}
-    rng = np.random.default_rng(config.seed)
-
-    def subset(rows: list[dict], n: int) -> list[dict]:
-        if n and n < len(rows):
-            keep = sorted(rng.permutation(len(rows))[:n])
-            rows = [rows[i] for i in keep]
-        return rows
-
+    rng = np.random.default_rng(config.seed)   # one stream: the dev subset is drawn after the train subset
     train = [r for r in json.loads((src / "train_no_db" / "train_spider_questions.json").read_text())
              if r["db_id"] in present]
-    train = subset([{"db_id": r["db_id"], "question": r["question"], "query": r["query"]} for r in train],
-                   config.data.train_questions)
+    train = seeded_subset([{"db_id": r["db_id"], "question": r["question"], "query": r["query"]} for r in train],
+                          config.data.train_questions, rng)
     dev = [dict(r, source_index=i) for i, r in enumerate(json.loads((src / "dev.json").read_text()))
            if r["db_id"] in present]
-    dev = subset(dev, config.data.dev_questions)
+    dev = seeded_subset(dev, config.data.dev_questions, rng)
     (view / "train.json").write_text(json.dumps(train))
     (view / "dev.json").write_text(json.dumps(dev))
     schemas = load_schemas(view)
@@ -834,10 +851,7 @@ def run_verifier(config: ConfigDict, workdir: str) -> dict:
     from caper_jax.sql.execution import Executors
 
     out = pathlib.Path(workdir)
-    out.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(out / "jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    clock = StageClock(out / "stage_seconds.json")
+    clock = start_stages(out)
     view = out / "spider"
     configs = verifier_configs(config, out)
     with clock("view"):
@@ -847,32 +861,25 @@ def run_verifier(config: ConfigDict, workdir: str) -> dict:
     with clock("sft"):
         if not done(out / "sft"):
             sft_trainer.run(configs["sft"], str(out / "sft"))
-    train_samples = out / "samples" / "train.jsonl"
-    with clock("samples"):
-        if not train_samples.exists():
-            n = sample_train_questions(config, view, out / "sft", train_samples)
-            multihost.log_main("%d distinct samples of %d training questions", n, config.samples.train_questions)
-    dev_predictions = out / "prm_data" / "predictions_dev.jsonl"
-    with clock("confidence"):
-        if not done(out / "prm") and not (out / "prm_data" / "CONFIDENCE_DONE").exists():
-            pools = out / "systems_dev.jsonl"   # the six systems' candidates as an evaluation's sample rows
-            write_jsonl(pools, [{"db_id": c["db_id"], "question": c["question"], "gold": c["gold"],
-                                 "samples": c["candidates"]} for c in candidates])
-            build_prm_data(view, train_samples, pools, out / "prm_data", "train", "dev")
-            with Executors(policy_lib.database_dir(view), timeout_s=config.eval.timeout_s) as executors:
-                examples, _ = policy_lib.usable_examples(view, "dev", config.sft.data.schema_values, executors, 0,
-                                                         config.seed)
-            add_policy_confidence(config, examples, out / "sft", dev_predictions)
-            (out / "prm_data" / "CONFIDENCE_DONE").touch()
+    train_samples = samples_stage(clock, config, view, out)
+
+    def write_prm_data():
+        pools = out / "systems_dev.jsonl"   # the six systems' candidates as an evaluation's sample rows
+        write_jsonl(pools, [{"db_id": c["db_id"], "question": c["question"], "gold": c["gold"],
+                             "samples": c["candidates"]} for c in candidates])
+        build_prm_data(view, train_samples, pools, out / "prm_data", "train", "dev")
+        with Executors(policy_lib.database_dir(view), timeout_s=config.eval.timeout_s) as executors:
+            examples, _ = policy_lib.usable_examples(view, "dev", config.sft.data.schema_values, executors, 0,
+                                                     config.seed)
+        add_policy_confidence(config, examples, out / "sft", out / "prm_data" / "predictions_dev.jsonl")
+
+    confidence_stage(clock, out, write_prm_data)
     with clock("prm"):
         if not done(out / "prm"):
             prm_trainer.run(configs["prm"], str(out / "prm"))
-    with clock("pick"):
-        if not (out / "rerank_pick.json").exists():
-            pick = pick_reranker(config, view, train_samples, out / "prm")
-            (out / "rerank_pick.json").write_text(json.dumps(pick, indent=1) + "\n")
+    pick_stage(clock, config, view, train_samples, out)
     with clock("verify"):
-        if not (out / "verify.json").exists():
+        if not verify_done(out):
             (out / "verify.json").write_text(json.dumps(verify_systems(config, view, candidates, out), indent=1) + "\n")
     with clock("report"):
         results = collect_verifier(config, out)
@@ -886,10 +893,7 @@ def verify_systems(config: ConfigDict, view: pathlib.Path, candidates: list[dict
     """EX of each system alone (``evaluate ex``) and of the pool: first, MV@n, every PRM reranker, oracle@n."""
     from caper_jax.eval import verify
     from caper_jax.eval.ex import evaluate_ex
-    from caper_jax.parallel import mesh as mesh_lib
-    from caper_jax.prm.scoring import load_scorer
 
-    e = config.eval
     pool = out / "systems_candidates.jsonl"
     write_jsonl(pool, [{"index": c["index"], "candidates": c["candidates"]} for c in candidates])
     alone = {}
@@ -898,13 +902,27 @@ def verify_systems(config: ConfigDict, view: pathlib.Path, candidates: list[dict
         write_jsonl(path, [{"index": c["index"], "pred": c["candidates"][j]} for c in candidates])
         alone[name] = evaluate_ex(view, "dev", path, semantics=config.verify.semantics,
                                   report=lambda message: log.info("%s", message))["ex"]
-    mesh = mesh_lib.make_mesh(e.mesh_shape.to_dict())
-    scorer = load_scorer(out / "prm", mesh=mesh, rules=tuple(tuple(r) for r in e.sharding_rules),
-                         batch_size=e.prm.batch_size, max_len=e.prm.max_len or None)
+    mesh, rules = loop.mesh_and_rules(config.eval)
+    scorer = prm_scorer(config, out / "prm", mesh, rules)
     with jax.set_mesh(mesh):
         summary = verify.rerank(scorer, view, "dev", pool, aggregate="min", semantics=config.verify.semantics,
                                 output=out / "verify_choices.jsonl", report=lambda message: log.info("%s", message))
     return {"alone": alone, "pool": summary}
+
+
+def verify_done(out: pathlib.Path) -> bool:
+    """The verify stage is complete: ``verify.json`` exists and every graded line of
+    ``verify_choices.jsonl`` carries each candidate's verdict and each selector's pick. A workdir
+    verified before those fields existed reruns the stage, as the paired rerank-minus-vote intervals
+    of the report are computed from them."""
+    choices = out / "verify_choices.jsonl"
+    if not (out / "verify.json").exists() or not choices.exists():
+        return False
+    rows = [json.loads(line) for line in choices.read_text().splitlines() if line.strip()]
+    if any(r.get("correct") is not None and "choices" not in r for r in rows):
+        multihost.log_main("%s predates the per-candidate verdicts: running the verify stage again", choices)
+        return False
+    return True
 
 
 def collect_verifier(config: ConfigDict, out: pathlib.Path) -> dict:

@@ -58,3 +58,45 @@ def test_bad_verifier_config_is_one_clear_error(args, message, tmp_path):
     result = run_train("--config=configs/spider_verifier.py", *args, tmp_path=tmp_path)
     assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and not (tmp_path / "w").exists()
+
+
+def test_a_workdir_verified_before_the_per_candidate_verdicts_is_verified_again(tmp_path, monkeypatch):
+    """verify_choices.jsonl lines written before they carried candidate_correct, vote_choice and choices
+    would leave the paired rerank-minus-vote interval out of the report without a word: the verify stage
+    runs again instead (every other stage is done, so nothing else reruns), and once only."""
+    import jax
+
+    from caper_jax import reproduce
+    from configs.spider_verifier import get_config
+
+    out = tmp_path / "sv"
+    for path, text in [("spider/tokenizer/tokenizer.json", "{}"), ("sft/results.json", "{}"),
+                       ("samples/train.jsonl", ""), ("prm/results.json", '{"metrics": {}, "localization": {}}'),
+                       ("rerank_pick.json", '{"picked": "min", "split": "train"}')]:
+        (out / path).parent.mkdir(parents=True, exist_ok=True)
+        (out / path).write_text(text)
+    pool = {"n": 2, "first": 0.5, "vote": 0.5, "prm_by_aggregate": {"min": 1.0}, "any": 1.0}
+    (out / "verify.json").write_text(json.dumps({"alone": {}, "pool": pool}))
+    (out / "verify_choices.jsonl").write_text("".join(json.dumps({"index": i, "chosen": 0, "correct": True}) + "\n"
+                                                      for i in range(2)))   # the old lines
+    verified = []
+
+    def verify_systems(config, view, candidates, out):
+        verified.append(out)
+        (out / "verify_choices.jsonl").write_text("".join(json.dumps(
+            {"index": i, "chosen": 0, "correct": True, "candidate_correct": [True, False], "vote_choice": i,
+             "choices": {"min": 0}}) + "\n" for i in range(2)))
+        return {"alone": {}, "pool": pool}
+
+    monkeypatch.setattr(reproduce, "system_candidates", lambda config, view: [])
+    monkeypatch.setattr(reproduce, "verify_systems", verify_systems)
+    cache = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    try:
+        results = reproduce.run_verifier(get_config("fast"), str(out))
+        assert verified == [out]
+        assert results["rerank_minus_mv"]["min"]["n"] == 2 and results["rerank_minus_mv"]["min"]["mean"] == 0.5
+        reproduce.run_verifier(get_config("fast"), str(out))
+        assert verified == [out]   # the new lines are complete: no second verification
+    finally:   # run_verifier points XLA's persistent cache at the workdir; the rest of the session must not
+        jax.config.update("jax_compilation_cache_dir", cache[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", cache[1])
