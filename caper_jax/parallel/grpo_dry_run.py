@@ -77,7 +77,6 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) 
     from caper_jax.loop import dry_run_architecture
     from caper_jax.models import Qwen35ForCausalLM
     from caper_jax.models.sampler import SamplingConfig, _decode, _prefill
-    from caper_jax.policy.logprobs import jit_completion_logprobs
     from caper_jax.prm.model import ClausePRM
     from caper_jax.rl import step as rl_step
     from caper_jax.rl.rewards import reward_variant
@@ -144,7 +143,7 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) 
         run("prm", rl_step.prm_token_scores, (prm_params, ids, ids), uses=("prm_params",), tokens=rows * full,
             n_rows=rows, static={"graphdef": prm_graphdef})
     if "reference" in programs and use_ref:
-        run("reference", jit_completion_logprobs, (state.params, ids, ids), uses=("reference_params",),
+        run("reference", rl_step.jit_completion_logprobs, (state.params, ids, ids), uses=("reference_params",),
             tokens=rows * full, n_rows=rows,
             static={"graphdef": graphdef, "completion_len": new, "temperature": float(config.sampling.temperature),
                     "chunk_size": config.chunk_size})

@@ -10,8 +10,9 @@ Chunks run along the sequence axis, not the flattened ``B·T`` axis, so a batch 
 ``data`` axis stays sharded inside each chunk. The head matmul accumulates in fp32
 (``preferred_element_type``) whatever the parameter dtype; the log-sum-exp is fp32.
 
-``sequence_logprobs`` (SFT's loss, the confidence baseline) and ``completion_logprobs`` (GRPO's update and
-reference) run the policy's forward and feed its final hidden states and head to ``token_logprobs``.
+``sequence_logprobs`` (the confidence baseline) and ``completion_logprobs`` (GRPO's update and reference)
+run the policy's forward and feed its final hidden states and head to ``token_logprobs``; SFT's loss
+feeds them to ``token_logprobs`` itself, with the batch's own targets.
 """
 from __future__ import annotations
 
@@ -124,11 +125,3 @@ def completion_logprobs(params, input_ids, attention_mask, *, graphdef, completi
     start = input_ids.shape[1] - completion_len - 1
     return sequence_logprobs(nnx.merge(graphdef, params), input_ids, attention_mask, start=start,
                              temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "completion_len", "temperature", "chunk_size"))
-def jit_completion_logprobs(params, input_ids, attention_mask, *, graphdef, completion_len: int,
-                            temperature: float, chunk_size: int):
-    """Jitted ``completion_logprobs`` (reference policy), compiled once per process and shape."""
-    return completion_logprobs(params, input_ids, attention_mask, graphdef=graphdef, completion_len=completion_len,
-                               temperature=temperature, chunk_size=chunk_size)

@@ -51,6 +51,14 @@ def jit_update(graphdef, tx, config, state_sharding=None):
     return loop.jit_state_step(update, key, state_sharding)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "completion_len", "temperature", "chunk_size"))
+def jit_completion_logprobs(params, input_ids, attention_mask, *, graphdef, completion_len: int,
+                            temperature: float, chunk_size: int):
+    """Jitted ``completion_logprobs`` (reference policy), compiled once per process and shape."""
+    return completion_logprobs(params, input_ids, attention_mask, graphdef=graphdef, completion_len=completion_len,
+                               temperature=temperature, chunk_size=chunk_size)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def prm_token_scores(params, input_ids, attention_mask, *, graphdef):
     """The frozen Clause-PRM's ``[B, T]`` per-prefix scores in one forward."""

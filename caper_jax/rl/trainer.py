@@ -34,11 +34,10 @@ from caper_jax.parallel import multihost
 from caper_jax.policy import rollout as rollout_lib
 from caper_jax.policy import sampling as sampling_lib
 from caper_jax.policy.build import build_policy
-from caper_jax.policy.logprobs import jit_completion_logprobs
 from caper_jax.utils.optim import make_optimizer
 from caper_jax.rl.losses import AGGREGATIONS
 from caper_jax.rl.rewards import reward_variant
-from caper_jax.rl.step import advantages_from_rewards, jit_update, prm_token_scores
+from caper_jax.rl.step import advantages_from_rewards, jit_completion_logprobs, jit_update, prm_token_scores
 from caper_jax.sft import data as data_lib
 from caper_jax.utils.errors import CheckpointError
 

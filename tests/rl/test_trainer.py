@@ -63,7 +63,7 @@ def update_setup(world):
     sparse/token runs below reuse (same process-wide program cache key)."""
     from caper_jax.loop import create_state
     from caper_jax.parallel import mesh as mesh_lib
-    from caper_jax.policy.logprobs import jit_completion_logprobs
+    from caper_jax.rl.step import jit_completion_logprobs
     from caper_jax.rl.trainer import load_policy
 
     data_dir, tokenizer = world
