@@ -830,14 +830,10 @@ def build_spider_view(config: ConfigDict, view: pathlib.Path) -> dict:
 def system_candidates(config: ConfigDict, view: pathlib.Path) -> list[dict]:
     """Per dev question of the view: index (in the view's dev.json), db_id, question, gold, and the
     systems' predictions in ``data.systems`` order (``caper_jax.data.spider.read_sql_predictions``)."""
-    from caper_jax.data.spider import load_split, read_sql_predictions
+    from caper_jax.data.spider import load_split, read_system_predictions
 
     full = load_split(config.data.spider_dir, "dev")
-    per_system = [read_sql_predictions(pathlib.Path(config.data.predictions_dir) / name, full)
-                  for name in config.data.systems]
-    for name, preds in zip(config.data.systems, per_system):
-        if len(preds) != len(full):
-            raise ValueError(f"{name}: {len(preds)} predictions for {len(full)} dev questions")
+    per_system = read_system_predictions(config.data.predictions_dir, config.data.systems, full)
     dev = json.loads((view / "dev.json").read_text())
     return [{"index": i, "db_id": r["db_id"], "question": r["question"], "gold": r["query"],
              "candidates": [preds[r["source_index"]] for preds in per_system]} for i, r in enumerate(dev)]
