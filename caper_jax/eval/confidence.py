@@ -28,8 +28,9 @@ def clause_logprobs(policy, rows: Sequence[Mapping[str, Any]], *, max_len: int =
     """Per row (``question``, ``schema``, optional ``evidence``, ``sql``), the policy's mean token
     log-prob of each clause of ``split_clauses(sql)``; None for SQL that does not parse, or whose
     SQL + stop token alone exceeds ``max_len``. The prompt is left-truncated as in SFT."""
-    from caper_jax.sql.contract import policy_prompt
+    from caper_jax.data.prm_pipeline import resolve_pad_id
     from caper_jax.policy.logprobs import sequence_logprobs
+    from caper_jax.sql.contract import policy_prompt
 
     tokenizer = policy.tokenizer
     items: list[tuple[int, np.ndarray, int, list[int], list[int]]] = []  # row, ids, n_prompt, starts, clauses
@@ -59,7 +60,7 @@ def clause_logprobs(policy, rows: Sequence[Mapping[str, Any]], *, max_len: int =
     def logprobs(params, ids, mask):
         return sequence_logprobs(nnx.merge(graphdef, params), ids, mask)
 
-    pad = int(getattr(tokenizer, "pad_token_id", None) or 0)
+    pad = resolve_pad_id(tokenizer, None)
     items.sort(key=lambda item: len(item[1]))
     for start in range(0, len(items), batch_size):
         chunk = items[start:start + batch_size]

@@ -37,12 +37,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from caper_jax import runs
+from caper_jax import loop, runs
 from caper_jax.eval.ex import majority_vote
 from caper_jax.policy import sampling as sampling_lib
+from caper_jax.policy.prompts import stop_token_id
 from caper_jax.sft.data import examples_from_split
 from caper_jax.sql.execution import Executors, order_matters, results_equal
 from caper_jax.sql.semantics import comparison, executed_sql
+from caper_jax.utils.subset import seeded_subset
 
 log = logging.getLogger("caper_jax")
 
@@ -63,7 +65,6 @@ def load_policy(path: str | pathlib.Path, mesh, rules, *, dtype: str | None = No
     """A policy from an HF dir, or an SFT/GRPO workdir or converted HF model (``caper_jax.runs.load_run``:
     params only, newest whole checkpoint)."""
     from caper_jax.models import from_hf
-    from caper_jax.sft.data import stop_token_id
 
     path = pathlib.Path(path)
     if not path.exists():
@@ -173,9 +174,7 @@ def usable_examples(data_dir: pathlib.Path, split: str, schema_values: int, exec
         raise FileNotFoundError(f"no database of split {split!r} is present under {data_dir}")
     # The schema text the policy was trained on; values only from the databases that are present.
     examples = examples_from_split(data_dir, split, schema_values=schema_values, values_for=present.__getitem__)
-    if num_examples > 0:
-        order = np.random.default_rng(seed).permutation(len(examples))[:num_examples]
-        examples = [examples[i] for i in sorted(order)]
+    examples = seeded_subset(examples, num_examples, seed)
     usable = []
     for ex in examples:
         if not present.get(ex.db_id, False):
@@ -193,12 +192,10 @@ def run(config, workdir: str | pathlib.Path) -> dict:
     """Loads policy (and PRM), decodes, scores, writes results.json, results.md, predictions.jsonl."""
     from caper_jax.sql.contract import policy_prompt
     from caper_jax.eval import report
-    from caper_jax.parallel import mesh as mesh_lib
     from caper_jax.prm.scoring import load_scorer
 
     workdir = pathlib.Path(workdir)
-    mesh = mesh_lib.make_mesh(config.mesh_shape.to_dict())
-    rules = tuple(tuple(r) for r in config.sharding_rules)
+    mesh, rules = loop.mesh_and_rules(config)
     policy_path = config.policy.workdir or config.policy.hf_dir
     policy = load_policy(policy_path, mesh, rules, dtype=config.policy.dtype or None)
     train = policy.train_config or {}

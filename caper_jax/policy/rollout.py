@@ -1,8 +1,8 @@
 """Rollouts: sampled completions turned into text, clause token ends and execution rewards; greedy EX.
 
-Device work is the sampler (one jitted prefill + one jitted decode loop, ``caper_jax.models.sampler``,
-reached only through ``caper_jax.policy.sampling.sample``) and, in the trainer, one batched PRM
-forward. Everything here after sampling is host-side Python on small arrays:
+Device work is the sampler (one jitted prefill + one jitted decode loop, ``caper_jax.models.sampler``)
+and, in the trainer, one batched PRM forward. Everything here after sampling is host-side Python on
+small arrays:
 
 * **Text and offsets of the SAMPLED tokens** (``sampling.decode_with_offsets``). The completion is
   decoded once. Clause ends must index the tokens the policy actually emitted (their log-probs are
@@ -26,11 +26,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from caper_jax.models.sampler import SampleOutput
+from caper_jax.parallel import multihost
 from caper_jax.parallel.multihost import fetch
 from caper_jax.policy.sampling import completion_tokens, decode, decode_with_offsets
 from caper_jax.rl.rewards import pad_clause_ends, spans_to_token_ends
 from caper_jax.sql.clauses import SqlParseError, split_clauses
 from caper_jax.sql.execution import ExecResult, Executors, order_matters, results_equal
+from caper_jax.utils.subset import seeded_subset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,3 +178,20 @@ def greedy_ex(model, tokenizer, examples, executors: Executors, *, max_prompt_le
                "executable": sum(r["executed"] for r in rows) / n if n else 0.0,
                "n": n, "excluded": excluded}
     return summary, rows
+
+
+def held_out_ex(model, tokenizer, examples, executors: Executors, *, num_examples: int, seed: int, split: str,
+                max_prompt_len: int, max_new_tokens: int, stop_tokens: Sequence[int], batch_size: int,
+                semantics: str = "spider") -> tuple[dict, list[dict]]:
+    """A policy trainer's end-of-run greedy EX (SFT and GRPO): ``greedy_ex`` on ``num_examples`` of the
+    held-out ``split``'s ``examples`` (``seeded_subset`` by ``seed``), logged as one line.
+
+    Returns (the ``eval/*`` entries of the trainer's results.json, the per-example rows).
+    """
+    summary, rows = greedy_ex(model, tokenizer, seeded_subset(examples, num_examples, seed), executors,
+                              max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
+                              batch_size=batch_size, semantics=semantics)
+    multihost.log_main("greedy EX on %d held-out %s examples: %.3f (executable %.3f)", summary["n"], split,
+                       summary["ex"], summary["executable"])
+    return {"eval/greedy_ex": summary["ex"], "eval/executable": summary["executable"], "eval/n": summary["n"],
+            "eval/excluded": summary["excluded"]}, rows

@@ -1,13 +1,13 @@
 """The one path from prompts to the policy's SQL: greedy and k samples, through ``caper_jax.models.sampler``.
 
-* ``sample`` is the only call into the jitted sampler (one prefill + one decode loop). GRPO's rollout
-  calls it on its own prompt batch, since it keeps the tokens and log-probs, not just the text.
 * ``decode`` turns prompts into text: greedy, k samples per prompt, or both. It is what the trainers'
   end-of-run greedy EX (``rollout.greedy_ex``), the policy evaluation (``caper_jax.eval.policy``) and
   the reproduction's samples for annotation (``caper_jax.reproduce.sample_train_questions``) call.
   Batches have a fixed shape (the last one is padded by repeating its last prompt), so one compiled
   program serves every batch; batch ``i`` is drawn with ``fold_in(key(seed), i)`` and greedy decoding
-  ignores the key (the sampler's PRNG contract).
+  ignores the key (the sampler's PRNG contract). Prompts are padded with ``resolve_pad_id``'s id
+  (pad, else eos, else 0), and the sampler pads finished rows with the same id. GRPO's rollout calls
+  ``models.sampler.generate`` on its own prompt batch, since it keeps the tokens and log-probs.
 * ``completion_tokens`` / ``decode_with_offsets``: the generated ids of one row as SQL text, with the
   character offsets of THOSE tokens (``caper_jax.policy.rollout`` places clause ends with them).
 """
@@ -20,19 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from caper_jax.models.sampler import SampleOutput, SamplingConfig, generate
+from caper_jax.data.prm_pipeline import resolve_pad_id
+from caper_jax.models.sampler import SamplingConfig, generate
 from caper_jax.parallel import multihost
 from caper_jax.parallel.multihost import fetch
-from caper_jax.sft.data import prompt_batch
+from caper_jax.policy.prompts import prompt_batch
 from caper_jax.utils.monitoring import Progress
 
 PROGRESS_EVERY_S = 30.0   # seconds between two progress lines of a long decode
-
-
-def sample(model, prompt_ids: jax.Array, prompt_mask: jax.Array, key: jax.Array,
-           config: SamplingConfig) -> SampleOutput:
-    """The one entry point to the sampler (tokens, lengths incl. the stop token, tempered log-probs)."""
-    return generate(model, prompt_ids, prompt_mask, key, config)
 
 
 def completion_tokens(tokens: np.ndarray, length: int, stop_tokens: Sequence[int]) -> list[int]:
@@ -68,21 +63,20 @@ def _texts(model, tokenizer, prompts: Sequence[str], config: SamplingConfig, key
     """One completion's text per prompt, ``batch_size`` prompts at a time (module docstring)."""
     texts: list[str] = []
     batches = -(-len(prompts) // batch_size)
-    progress, last_line = Progress(batches), time.perf_counter()
+    progress, last_line = Progress(batches, unit="batch", units="batches"), time.perf_counter()
     for batch_index, start in enumerate(range(0, len(prompts), batch_size)):
         chunk = list(prompts[start:start + batch_size])
         real = len(chunk)
         chunk += [chunk[-1]] * (batch_size - real)
-        ids, mask = prompt_batch(chunk, tokenizer, max_prompt_len, multiple=max_prompt_len)
-        out = sample(model, jnp.asarray(ids), jnp.asarray(mask), jax.random.fold_in(key, batch_index), config)
+        ids, mask = prompt_batch(chunk, tokenizer, max_prompt_len, multiple=max_prompt_len, pad_id=config.pad_id)
+        out = generate(model, jnp.asarray(ids), jnp.asarray(mask), jax.random.fold_in(key, batch_index), config)
         tokens, lengths = fetch(out.tokens), fetch(out.lengths)
         for b in range(real):
             ids_b = completion_tokens(tokens[b], lengths[b], config.stop_tokens)
             texts.append(decode_with_offsets(tokenizer, ids_b)[0])
         if time.perf_counter() - last_line >= PROGRESS_EVERY_S or batch_index + 1 == batches > 1:
             # Thousands of prompts take many minutes on CPU: say how far, as the trainers do.
-            line = progress.update(batch_index + 1).replace("step", "batch", 1).replace("steps/s", "batches/s")
-            multihost.log_main("decoding %d prompts: %s", len(prompts), line)
+            multihost.log_main("decoding %d prompts: %s", len(prompts), progress.update(batch_index + 1))
             last_line = time.perf_counter()
     return texts
 
@@ -93,7 +87,7 @@ def decode(model, tokenizer, prompts: Sequence[str], *, stop_tokens: Sequence[in
     """(greedy SQL per prompt, k sampled SQL per prompt). ``greedy=False`` skips the greedy decode and
     returns ``[]`` for it; ``k=0`` returns no samples. The k samples of a prompt are k rows of the
     batch (the sampler's per-row keys make them independent of the other rows)."""
-    pad = int(getattr(tokenizer, "pad_token_id", None) or 0)
+    pad = resolve_pad_id(tokenizer, None)
     stop = tuple(stop_tokens)
     key = jax.random.key(seed)
     greedy_sql = _texts(model, tokenizer, prompts, SamplingConfig(max_new_tokens, temperature=0.0,

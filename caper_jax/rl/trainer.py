@@ -29,17 +29,17 @@ import numpy as np
 from flax import nnx
 
 from caper_jax import loop, runs
-from caper_jax.models.sampler import SamplingConfig
+from caper_jax.data.prm_pipeline import resolve_pad_id
+from caper_jax.models.sampler import SamplingConfig, generate
 from caper_jax.parallel import multihost
 from caper_jax.policy import rollout as rollout_lib
-from caper_jax.policy import sampling as sampling_lib
 from caper_jax.policy.build import build_policy
+from caper_jax.policy.prompts import prompt_batch, stop_token_id
 from caper_jax.utils.optim import make_optimizer
 from caper_jax.rl.losses import AGGREGATIONS
 from caper_jax.rl.rewards import reward_variant
 from caper_jax.rl.step import advantages_from_rewards, jit_completion_logprobs, jit_update, prm_token_scores
 from caper_jax.sft import data as data_lib
-from caper_jax.utils.errors import CheckpointError
 
 log = logging.getLogger("caper_jax")
 
@@ -65,9 +65,6 @@ def load_policy(config, vocab_size: int, mesh, rules):
 
 def load_prm(config, vocab_size: int, mesh, rules):
     """The frozen Clause-PRM of a PRM run (``prm.workdir``), in this run's compute dtype."""
-    if not config.prm.workdir:
-        raise CheckpointError(f"reward.variant={config.reward.variant!r} needs a Clause-PRM: set "
-                              "--config.prm.workdir=<PRM trainer workdir>")
     run = runs.load_run(config.prm.workdir, mesh=mesh, rules=rules, step=config.prm.ckpt, trainers=("prm",),
                         dtype=config.model.dtype)
     prm = run.model
@@ -157,9 +154,9 @@ def run(config, workdir: str) -> dict:
     run = loop.Run.start(config, workdir)
     world = prepare_world(config, run.workdir)
     tokenizer = world.tokenizer
-    stop_tokens = tuple(sorted({data_lib.stop_token_id(tokenizer)} |
+    stop_tokens = tuple(sorted({stop_token_id(tokenizer)} |
                                ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())))
-    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_tokens[0])
+    pad_id = resolve_pad_id(tokenizer, None)
     executors = Executors(world.database_dir, timeout_s=config.reward.timeout_s, max_rows=config.reward.max_rows)
     examples, golds = rl_examples(world, config.data.train_split, executors, config.data.schema_values)
     prompts = [policy_prompt(ex.question, ex.schema, ex.evidence) for ex in examples]
@@ -193,11 +190,10 @@ def run(config, workdir: str) -> dict:
     def step(state, step):
         t_start = time.perf_counter()
         indices = np.repeat(np.asarray(next(data_iter)), group)  # consecutive rows = one group
-        prompt_ids, prompt_mask = data_lib.prompt_batch([prompts[i] for i in indices], tokenizer,
-                                                        config.sampling.max_prompt_len,
-                                                        multiple=config.sampling.prompt_bucket, pad_id=pad_id)
-        output = sampling_lib.sample(nnx.merge(graphdef, state.params), jnp.asarray(prompt_ids),
-                                     jnp.asarray(prompt_mask), jax.random.fold_in(base_key, step), sampling)
+        prompt_ids, prompt_mask = prompt_batch([prompts[i] for i in indices], tokenizer, config.sampling.max_prompt_len,
+                                               multiple=config.sampling.prompt_bucket, pad_id=pad_id)
+        output = generate(nnx.merge(graphdef, state.params), jnp.asarray(prompt_ids), jnp.asarray(prompt_mask),
+                          jax.random.fold_in(base_key, step), sampling)
         jax.block_until_ready(output)
         t_sampled = time.perf_counter()
         rollout = rollout_lib.assemble_rollout(
@@ -269,16 +265,13 @@ def run(config, workdir: str) -> dict:
     if config.eval.num_examples:  # 0: no end-of-run EX (caper_jax.reproduce evaluates separately)
         held_out = data_lib.examples_from_split(world.dir, config.data.eval_split,
                                                 schema_values=config.data.schema_values)
-        order = np.random.default_rng(config.seed).permutation(len(held_out))[: config.eval.num_examples]
         with jax.set_mesh(mesh):
-            summary, rows = rollout_lib.greedy_ex(
-                policy, tokenizer, [held_out[i] for i in sorted(order)], executors,
-                max_prompt_len=config.sampling.max_prompt_len, max_new_tokens=config.sampling.max_new_tokens,
-                stop_tokens=stop_tokens, batch_size=config.eval.batch_size, semantics=config.reward.semantics)
-        results.update({"eval/greedy_ex": summary["ex"], "eval/executable": summary["executable"],
-                        "eval/n": summary["n"], "eval/excluded": summary["excluded"]})
-        multihost.log_main("greedy EX on %d held-out %s examples: %.3f", summary["n"], config.data.eval_split,
-                           summary["ex"])
+            ex_results, rows = rollout_lib.held_out_ex(
+                policy, tokenizer, held_out, executors, num_examples=config.eval.num_examples, seed=config.seed,
+                split=config.data.eval_split, max_prompt_len=config.sampling.max_prompt_len,
+                max_new_tokens=config.sampling.max_new_tokens, stop_tokens=stop_tokens,
+                batch_size=config.eval.batch_size, semantics=config.reward.semantics)
+        results.update(ex_results)
     executors.close()
     loop.finish_policy_run(run, results, rows, policy, tokenizer,
                            curves=["rollout/reward_mean", "rollout/ex", "train/kl_ref", "train/entropy"],

@@ -29,7 +29,8 @@ import grain
 import numpy as np
 
 from caper_jax.data import prm_pipeline as pipe_lib
-from caper_jax.sql.contract import END_OF_SQL, policy_prompt, serialize_schema
+from caper_jax.policy.prompts import stop_token_id
+from caper_jax.sql.contract import policy_prompt, serialize_schema
 
 BATCH_KEYS = ("input_ids", "attention_mask", "targets", "loss_mask")
 
@@ -76,14 +77,6 @@ def examples_from_split(data_dir, split: str, *, schema_values: int = 0,
             serialised[ex.db_id] = serialize_schema(schemas[ex.db_id], values, path)
         out.append(SftExample(ex.question, serialised[ex.db_id], ex.query, ex.db_id, ex.evidence))
     return out
-
-
-def stop_token_id(tokenizer) -> int:
-    """Id of END_OF_SQL, which must be a single token (it is the sampler's stop token)."""
-    ids = tokenizer(END_OF_SQL, add_special_tokens=False)["input_ids"]
-    if len(ids) != 1:
-        raise SftDataError(f"END_OF_SQL {END_OF_SQL!r} is {len(ids)} tokens for this tokenizer; it must be one")
-    return int(ids[0])
 
 
 def encode_examples(examples: Sequence[SftExample], tokenizer, max_len: int
@@ -186,19 +179,3 @@ def sft_pipeline(examples: Sequence[SftExample], tokenizer, *, global_batch_size
     dataset = grain.MapDataset.range(steps_per_epoch).repeat(num_epochs).map_with_index(loader)
     return SftPipeline(dataset, steps_per_epoch, len(sequences), ladder)
 
-
-def prompt_batch(prompts: Sequence[str], tokenizer, max_prompt_len: int, multiple: int = 32,
-                 pad_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """LEFT-padded prompt ids and mask ``[B, P]`` for the sampler (P rounded up to ``multiple`` so jit
-    sees few shapes); prompts longer than ``max_prompt_len`` lose their leftmost tokens."""
-    ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    ids = [list(x)[-max_prompt_len:] for x in ids]
-    width = min(max_prompt_len, -(-max(map(len, ids)) // multiple) * multiple)
-    pad = pipe_lib.resolve_pad_id(tokenizer, pad_id)
-    out = np.full((len(ids), width), pad, np.int32)
-    mask = np.zeros((len(ids), width), np.int32)
-    for row, x in enumerate(ids):
-        if x:
-            out[row, width - len(x):] = x
-            mask[row, width - len(x):] = 1
-    return out, mask

@@ -15,7 +15,6 @@ import logging
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -24,6 +23,7 @@ from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.parallel import multihost
 from caper_jax.policy.build import build_policy
 from caper_jax.policy.logprobs import lm_head, token_logprobs
+from caper_jax.policy.prompts import stop_token_id
 from caper_jax.utils.optim import TrainState, guarded_update, make_optimizer
 from caper_jax.sft import data as data_lib
 
@@ -74,23 +74,15 @@ def validate(config) -> None:
         raise ValueError("eval.num_examples must be >= 0, eval.batch_size and eval.max_new_tokens >= 1")
 
 
-def _holdout(config, world) -> list[data_lib.SftExample]:
-    examples = data_lib.examples_from_split(world.dir, config.data.eval_split,
-                                            schema_values=config.data.schema_values)
-    rng = np.random.default_rng(config.seed)
-    order = rng.permutation(len(examples))[: config.eval.num_examples]
-    return [examples[i] for i in sorted(order)]
-
-
 def run(config, workdir: str) -> dict:
     from caper_jax.data.world import prepare_world
-    from caper_jax.policy.rollout import greedy_ex
+    from caper_jax.policy.rollout import held_out_ex
     from caper_jax.sql.execution import Executors
 
     run = loop.Run.start(config, workdir)
     world = prepare_world(config, run.workdir)
     tokenizer = world.tokenizer
-    stop = data_lib.stop_token_id(tokenizer)
+    stop = stop_token_id(tokenizer)
     train_examples = data_lib.examples_from_split(world.dir, config.data.train_split,
                                                   schema_values=config.data.schema_values)
 
@@ -124,14 +116,14 @@ def run(config, workdir: str) -> dict:
     rows = []
     results = {"steps": config.optim.total_steps}
     if config.eval.num_examples:  # 0: no end-of-run EX (caper_jax.reproduce evaluates separately)
+        held_out = data_lib.examples_from_split(world.dir, config.data.eval_split,
+                                                schema_values=config.data.schema_values)
         with jax.set_mesh(mesh), Executors(world.database_dir, timeout_s=config.eval.timeout_s) as executors:
-            summary, rows = greedy_ex(
-                policy, tokenizer, _holdout(config, world), executors, max_prompt_len=config.eval.max_prompt_len,
+            ex_results, rows = held_out_ex(
+                policy, tokenizer, held_out, executors, num_examples=config.eval.num_examples, seed=config.seed,
+                split=config.data.eval_split, max_prompt_len=config.eval.max_prompt_len,
                 max_new_tokens=config.eval.max_new_tokens, stop_tokens=(stop,), batch_size=config.eval.batch_size)
-        results.update({"eval/greedy_ex": summary["ex"], "eval/executable": summary["executable"],
-                        "eval/n": summary["n"], "eval/excluded": summary["excluded"]})
-        multihost.log_main("greedy EX on %d held-out %s examples: %.3f (executable %.3f)", summary["n"],
-                           config.data.eval_split, summary["ex"], summary["executable"])
+        results.update(ex_results)
     loop.finish_policy_run(run, results, rows, policy, tokenizer, curves=["train/loss", "train/grad_norm"],
                            png="loss_curve.png", title="SFT")
     from caper_jax.utils import summary as summary_lib

@@ -59,10 +59,12 @@ def read_metrics(path: str | pathlib.Path) -> list[dict]:
 
 
 class Progress:
-    """Steps/s and ETA over a sliding window, measured on the host clock."""
+    """Steps/s and ETA over a sliding window, measured on the host clock; ``unit``/``units`` name what
+    is counted (the trainers' steps, the sampler's batches)."""
 
-    def __init__(self, total_steps: int, first_step: int = 0):
+    def __init__(self, total_steps: int, first_step: int = 0, *, unit: str = "step", units: str = "steps"):
         self.total = total_steps
+        self.unit, self.units = unit, units
         self._mark_step = first_step
         self._mark_time = time.perf_counter()
         self.steps_per_s = float("nan")
@@ -74,7 +76,7 @@ class Progress:
             self._mark_step, self._mark_time = step, now
         remaining = max(self.total - step, 0)
         eta = remaining / self.steps_per_s if self.steps_per_s > 0 else math.nan
-        return f"step {step}/{self.total}  {self.steps_per_s:.2f} steps/s  ETA {_fmt_seconds(eta)}"
+        return f"{self.unit} {step}/{self.total}  {self.steps_per_s:.2f} {self.units}/s  ETA {_fmt_seconds(eta)}"
 
 
 def _fmt_seconds(s: float) -> str:

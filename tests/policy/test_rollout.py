@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from caper_jax.models.sampler import SampleOutput, SamplingConfig
+from caper_jax.models.sampler import SampleOutput, SamplingConfig, generate
 from caper_jax.policy import rollout as R
-from caper_jax.policy.sampling import decode_with_offsets, sample
+from caper_jax.policy.sampling import decode_with_offsets
 from caper_jax.rl import layout_rewards
 from caper_jax.sql.clauses import split_clauses
 from caper_jax.sql.execution import Executors
@@ -155,11 +155,11 @@ def test_random_policy_rollout(tok, executors):
     policy = random_policy(len(tok), scale=0.3)
     stop = tok.eos_token_id
     group = 4
-    from caper_jax.sft.data import prompt_batch
+    from caper_jax.policy.prompts import prompt_batch
 
     prompt_ids, prompt_mask = prompt_batch(["<|im_start|>user\nname of id 1?<|im_end|>\n"] * group, tok, 32, 8)
     config = SamplingConfig(12, temperature=1.0, stop_tokens=(stop,), pad_id=tok.pad_token_id)
-    out = sample(policy, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), jax.random.key(1), config)
+    out = generate(policy, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), jax.random.key(1), config)
     gold = executors.execute("d", GOLD)
     r = R.assemble_rollout(prompt_ids, prompt_mask, out, tok, executors, ["d"] * group, [GOLD] * group,
                            [gold] * group, (stop,), REWARD)

@@ -45,3 +45,34 @@ def test_a_long_decode_reports_its_progress(policy, caplog, monkeypatch):
     lines = [r.getMessage() for r in caplog.records if "decoding" in r.getMessage()]
     assert lines and lines[-1].startswith(f"decoding {len(PROMPTS)} prompts: batch 3/3"), lines
     assert "batches/s" in lines[-1] and "ETA" in lines[-1]
+
+
+def test_without_a_pad_token_the_prompts_and_the_sampler_share_one_pad_id(policy, monkeypatch):
+    """A tokenizer with no pad token pads the prompts with eos (``resolve_pad_id``); the sampler must be
+    handed that same id for the rows it finishes, not 0."""
+    import copy
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from caper_jax.models.sampler import SampleOutput
+
+    _, tokenizer = policy
+    padless = copy.deepcopy(tokenizer)
+    padless.pad_token = None
+    assert padless.pad_token_id is None and padless.eos_token_id not in (None, 0)
+    calls = []
+
+    def recording_sampler(model, prompt_ids, prompt_mask, key, config):
+        calls.append((np.asarray(prompt_ids), np.asarray(prompt_mask), config.pad_id))
+        rows, new = prompt_ids.shape[0], config.max_new_tokens
+        return SampleOutput(jnp.full((rows, new), config.pad_id, jnp.int32), jnp.zeros(rows, jnp.int32),
+                            jnp.zeros((rows, new), jnp.float32))
+
+    monkeypatch.setattr(sampling, "generate", recording_sampler)
+    sampling.decode(None, padless, PROMPTS, stop_tokens=(padless.eos_token_id,), max_prompt_len=32, max_new_tokens=4,
+                    batch_size=len(PROMPTS), k=2)
+    assert len(calls) == 3   # greedy, then 2 x 5 samples in two batches
+    for ids, mask, pad_id in calls:
+        assert pad_id == padless.eos_token_id
+        assert (mask == 0).any() and (ids[mask == 0] == pad_id).all()
