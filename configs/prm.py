@@ -75,7 +75,8 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.model.preset = arg.model                # tiny | small | qwen35_9b
     c.model.hf_dir = ""                       # load backbone weights from a local HF directory
     # Backbone from an SFT (or GRPO) run's newest checkpoint: the policy is the stand-in for the paper's
-    # pretrained LLM (its recorded architecture, a vocabulary that covers the tokenizer, the same param_dtype; tied embeddings); the score head starts fresh.
+    # pretrained LLM (its recorded architecture, a vocabulary that covers the tokenizer, the same
+    # param_dtype; tied embeddings); the score head starts fresh.
     c.model.init_from = ""
     c.model.tokenizer_dir = ""                # default: hf_dir, or the demo tokenizer
     c.model.dtype = "float32"                 # compute dtype
