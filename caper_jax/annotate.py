@@ -41,7 +41,7 @@ from ml_collections import ConfigDict, config_flags
 
 from caper_jax.sql.execution import Executor
 from caper_jax.sql.localize import GoldError, localize
-from caper_jax.utils import atomic
+from caper_jax.utils import atomic, cli
 from caper_jax.utils.jsonl import LineError, read_json_lines
 from caper_jax.sql.mutations import inject_faults
 from caper_jax.sql.schema import Schema
@@ -189,7 +189,7 @@ def run_build(config: ConfigDict, beam_options: str | None = None) -> dict[str, 
         from caper_jax.demo.world import build_demo_world
         build_demo_world(manual_dir, seed=config.data.demo_seed)
     if not manual_dir:
-        raise app.UsageError("set --config.data.manual_dir to a Spider/BIRD layout directory")
+        cli.usage_error("set --config.data.manual_dir to a Spider/BIRD layout directory")
     splits = tuple(config.data.splits)
     options = dict(splits=splits, limit=config.data.limit, predictions=config.data.predictions,
                    database_dir=config.data.database_dir)
@@ -255,13 +255,13 @@ def check_files(db: str, input_path: str, output_path: str) -> None:
 
 def main(argv: list[str]) -> None:
     if len(argv) != 2 or argv[1] not in COMMANDS:
-        raise app.UsageError(f"usage: python -m caper_jax.annotate {{{','.join(COMMANDS)}}} [flags]")
+        cli.usage_error(f"usage: python -m caper_jax.annotate {{{','.join(COMMANDS)}}} [flags]")
     command = argv[1]
     if command == "build" and FLAGS.config is None:
-        raise app.UsageError("build needs --config=configs/annotate.py[:arg]")
+        cli.usage_error("build needs --config=configs/annotate.py[:arg]")
     for name in ("db", "input", "output") if command != "build" else ():
         if not getattr(FLAGS, name):
-            raise app.UsageError(f"{command} needs --{name}")
+            cli.usage_error(f"{command} needs --{name}")
     try:    # everything that can be refused, before any work: one line, no traceback
         settings = settings_from_config(FLAGS.config)
         if command == "build":

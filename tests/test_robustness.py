@@ -449,8 +449,12 @@ def test_convert_refuses_bad_inputs_and_outputs_with_one_line(tmp_path, capsys):
     (["caper_jax.evaluate"], "usage: python -m caper_jax.evaluate"),
     (["caper_jax.convert", "hf-to-orbax"], "convert hf-to-orbax: --hf_dir, --out required"),
     (["caper_jax.convert"], "usage: python -m caper_jax.convert"),
+    (["caper_jax.annotate", "frobnicate"], "usage: python -m caper_jax.annotate"),
+    (["caper_jax.annotate", "localize", "--db", "x.sqlite"], "localize needs --input"),
+    (["caper_jax.eval.world_seeds"], "usage: python -m caper_jax.eval.world_seeds"),
 ], ids=["verify wrong command's flag", "verify unknown command", "evaluate missing flag",
-        "evaluate no command", "convert missing flags", "convert no command"])
+        "evaluate no command", "convert missing flags", "convert no command", "annotate unknown command",
+        "annotate missing flag", "world_seeds no workdir"])
 def test_command_line_errors_after_parsing_are_one_line_under_absl_app_run(args, message):
     """The real ``python -m`` (absl.app.run), not run_command: a UsageError there would print the
     module docstring and every flag before its message."""

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from caper_jax.utils.atomic import check_output, write_text_atomic
+from caper_jax.utils.cli import usage_error
 
 POLICIES = ("sft", "sparse", "token", "clause")
 
@@ -116,7 +117,7 @@ _OUTPUT = flags.DEFINE_string("output", None, "markdown file to write (stdout wh
 def main(argv: Sequence[str]) -> int:
     workdirs = argv[1:]
     if not workdirs:
-        raise app.UsageError("usage: python -m caper_jax.eval.world_seeds [--output=F] WORKDIR WORKDIR [...]")
+        usage_error("usage: python -m caper_jax.eval.world_seeds [--output=F] WORKDIR WORKDIR [...]")
     if _OUTPUT.value:
         check_output(_OUTPUT.value, [pathlib.Path(w) / "results.json" for w in workdirs])
     try:
