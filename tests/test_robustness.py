@@ -288,7 +288,8 @@ def test_ctrl_c_in_a_query_stops_annotate_build(tmp_path, db):
     data_dir = tmp_path / "tfds"
     rc, stdout, stderr = interrupt_during_query(
         ["-m", "caper_jax.annotate", "build", "--config=configs/annotate.py", f"--config.data.manual_dir={manual}",
-         f"--config.data_dir={data_dir}", "--config.timeout_s=120"], b"annotate dev", delay_s=3.0)
+         f"--config.data_dir={data_dir}", "--config.timeout_s=120",
+         "--config.max_vm_steps=1000000000000"], b"annotate dev", delay_s=3.0)
     assert rc == 130 and "SQLite query interrupted" in stderr and "Traceback" not in stderr, stderr[-3000:]
     assert "dataset:" not in stdout      # no summary
     finished = [p for p in data_dir.rglob("dataset_info.json") if "incomplete" not in str(p)]
