@@ -22,7 +22,6 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from caper_jax import loop
 from caper_jax.parallel import multihost
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/prm.py[:arg].",
@@ -116,7 +115,9 @@ def main(argv: list[str]) -> None:
     try:
         trainer.validate(config)
         if _DRY_RUN.value:
-            loop.check_dry_run(config)
+            from caper_jax.loop import check_dry_run   # as the trainers are: a flag error loads no flax/orbax
+
+            check_dry_run(config)
     except (ValueError, KeyError) as e:
         sys.exit(f"error: invalid config: {e}")
     if _DRY_RUN.value:
