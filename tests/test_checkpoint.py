@@ -106,17 +106,20 @@ def child_main(workdir: Path, steps: int) -> None:
     np.savez(workdir / "final.npz", **{k: np.asarray(v) for k, v in state["params"].items()})
 
 
-def child_env(workdir: Path) -> dict[str, str]:
-    # A compilation cache shared by the runs of one test: only the first one pays for XLA.
-    return dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
-                JAX_COMPILATION_CACHE_DIR=str(workdir.parent / "xla_cache"),
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory) -> Path:
+    """A compilation cache shared by every child of this module: only the first run pays for XLA."""
+    return tmp_path_factory.mktemp("xla_cache")
+
+
+def child_env(cache: Path) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
-def start_child(workdir: Path, steps: int) -> subprocess.Popen:
-    env = child_env(workdir)
+def start_child(workdir: Path, steps: int, cache: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tests.test_checkpoint", "train", str(workdir), str(steps)],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, env=child_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def finish_child(proc: subprocess.Popen, kill_after: int | None = None) -> list[str]:
@@ -133,16 +136,24 @@ def finish_child(proc: subprocess.Popen, kill_after: int | None = None) -> list[
     return lines
 
 
-def test_sigkill_and_resume_gives_bit_identical_params(tmp_path):
-    reference = finish_child(start_child(tmp_path / "ref", CHILD_STEPS))
-    finish_child(start_child(tmp_path / "run", CHILD_STEPS), kill_after=2 * CHILD_EVERY)  # save in flight
-    assert reference[-1] == f"step {CHILD_STEPS}" and not any(l.startswith("restored") for l in reference)
-    resumed = finish_child(start_child(tmp_path / "run", CHILD_STEPS))
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, xla_cache) -> tuple[list[str], Path]:
+    """One uninterrupted run of the child loop (its step lines, its final params): the reference of both
+    resume tests below, which run the same loop from the same seed."""
+    workdir = tmp_path_factory.mktemp("ref")
+    lines = finish_child(start_child(workdir, CHILD_STEPS, xla_cache))
+    assert lines[-1] == f"step {CHILD_STEPS}" and not any(l.startswith("restored") for l in lines)
+    return lines, workdir / "final.npz"
+
+
+def test_sigkill_and_resume_gives_bit_identical_params(tmp_path, reference, xla_cache):
+    finish_child(start_child(tmp_path / "run", CHILD_STEPS, xla_cache), kill_after=2 * CHILD_EVERY)  # save in flight
+    resumed = finish_child(start_child(tmp_path / "run", CHILD_STEPS, xla_cache))
     restored_step = int(resumed[0].split()[1])
     assert restored_step in (4, 8)  # 8, or 4 if the kill came before step 8 committed
     assert resumed[1] == f"step {restored_step + 1}" and resumed[-1] == f"step {CHILD_STEPS}"
 
-    ref, got = np.load(tmp_path / "ref" / "final.npz"), np.load(tmp_path / "run" / "final.npz")
+    ref, got = np.load(reference[1]), np.load(tmp_path / "run" / "final.npz")
     assert ref.files == got.files
     for name in ref.files:
         np.testing.assert_array_equal(got[name], ref[name])
@@ -304,20 +315,19 @@ def test_every_step_damaged_means_a_fresh_start_that_can_save_them_all_again(thr
     assert len(caplog.records) == 3 and len(list(three_checkpoints.glob("*.corrupt-*"))) == 3
 
 
-def test_training_resumed_past_a_damaged_checkpoint_finishes_like_an_uninterrupted_run(tmp_path):
+def test_training_resumed_past_a_damaged_checkpoint_finishes_like_an_uninterrupted_run(tmp_path, reference, xla_cache):
     """End to end: the child loop saves 8 and 12 (keeping 2); step 12 is truncated; the rerun
     falls back to 8, saves 12 again over the set-aside copy and ends with the reference's params."""
-    reference = finish_child(start_child(tmp_path / "ref", CHILD_STEPS))
-    finish_child(start_child(tmp_path / "run", CHILD_STEPS))
+    finish_child(start_child(tmp_path / "run", CHILD_STEPS, xla_cache))
     ckpt_dir = tmp_path / "run" / "ckpt"
     assert sorted(int(p.name) for p in ckpt_dir.iterdir()) == [8, 12]
     _truncate(ckpt_dir / "12")
-    resumed = finish_child(start_child(tmp_path / "run", CHILD_STEPS))
-    assert resumed[0] == "restored 8" and resumed[-1] == reference[-1] == f"step {CHILD_STEPS}"
+    resumed = finish_child(start_child(tmp_path / "run", CHILD_STEPS, xla_cache))
+    assert resumed[0] == "restored 8" and resumed[-1] == reference[0][-1] == f"step {CHILD_STEPS}"
     assert len(list(ckpt_dir.glob("12.corrupt-*"))) == 1
     with ck.Checkpointer(ckpt_dir) as ckpt:
         assert ckpt.verify(12) is None
-    ref, got = np.load(tmp_path / "ref" / "final.npz"), np.load(tmp_path / "run" / "final.npz")
+    ref, got = np.load(reference[1]), np.load(tmp_path / "run" / "final.npz")
     for name in ref.files:
         np.testing.assert_array_equal(got[name], ref[name])
 
@@ -412,14 +422,14 @@ def host_main(workdir: Path, port: int, process_id: int) -> None:
                       "iterator": fresh.get_state()}), flush=True)
 
 
-def test_two_processes_stitch_batches_and_share_checkpoints(tmp_path):
+def test_two_processes_stitch_batches_and_share_checkpoints(tmp_path, xla_cache):
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     procs = [subprocess.Popen([sys.executable, "-m", "tests.test_checkpoint", "host", str(tmp_path), str(port), str(i)],
-                              cwd=REPO, env=child_env(tmp_path / "x"), stdout=subprocess.PIPE,
+                              cwd=REPO, env=child_env(xla_cache), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
     outputs = [proc.communicate(timeout=300) for proc in procs]
     for proc, (_, stderr) in zip(procs, outputs):

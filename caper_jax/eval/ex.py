@@ -107,30 +107,29 @@ def data_inputs(data_dir: str | os.PathLike, *files: str | os.PathLike) -> list:
     return [*files, *pathlib.Path(data_dir).glob("*.json")]
 
 
-class Databases:
-    """An Executor per db_id of ``split``'s layout (``data.spider.db_path``), opened on first use; None
-    for a database not on disk, after one ``on_missing(db_id)``."""
+class Databases(Executors):
+    """An Executor per db_id of ``split``'s layout (``data.spider.db_path``: BIRD keeps a db_id's file
+    per split), opened on first use; ``executor`` gives None for a database not on disk, after one
+    ``on_missing(db_id)``."""
 
     def __init__(self, data_dir: str | os.PathLike, split: str, *, timeout_s: float, max_rows: int,
                  on_missing: Callable[[str], None] = lambda db_id: None):
+        super().__init__(data_dir, timeout_s=timeout_s, max_rows=max_rows)
         self.data_dir, self.split, self.on_missing = data_dir, split, on_missing
-        self.timeout_s, self.max_rows = timeout_s, max_rows
-        self._executors: dict[str, Executor | None] = {}
+        self._missing: set[str] = set()
+
+    def db_path(self, db_id: str) -> pathlib.Path:
+        return db_path(self.data_dir, db_id, self.split)
 
     def executor(self, db_id: str) -> Executor | None:
-        if db_id not in self._executors:
-            try:
-                self._executors[db_id] = Executor(db_path(self.data_dir, db_id, self.split),
-                                                  timeout_s=self.timeout_s, max_rows=self.max_rows)
-            except MissingDatabaseError:
-                self._executors[db_id] = None
-                self.on_missing(db_id)
-        return self._executors[db_id]
-
-    def close(self) -> None:
-        for executor in self._executors.values():
-            if executor is not None:
-                executor.close()
+        if db_id in self._missing:
+            return None
+        try:
+            return self[db_id]
+        except MissingDatabaseError:
+            self._missing.add(db_id)
+            self.on_missing(db_id)
+            return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,7 +62,7 @@ from caper_jax.sql import propagation
 from caper_jax.sql.canonical import AnySchema, Position, align, position_rank
 from caper_jax.sql.clauses import ClauseUnit, SqlParseError
 from caper_jax.sql.contract import END_OF_SQL, serialize_schema
-from caper_jax.sql.execution import Executor, database_dirs_of, find_database
+from caper_jax.sql.execution import Executor, Executors, database_dirs_of
 from caper_jax.sql.localize import GoldError, Localization, clause_units, localize
 from caper_jax.sql.mutations import SITE_BALANCES, Negative, inject_faults
 from caper_jax.sql.schema import Schema
@@ -371,7 +371,8 @@ class Annotator:
         self.settings = settings
         self.tables = dict(tables or {})     # db_id -> tables.json record, for the schema text
         self.mutate_correct = mutate_correct
-        self._executors: dict[str, Executor] = {}
+        self._executors = Executors(self.database_dir, timeout_s=settings.timeout_s, max_rows=settings.max_rows,
+                                    max_vm_steps=settings.max_vm_steps)
         self._schemas: dict[str, Schema] = {}
         self._schema_texts: dict[str, str] = {}
 
@@ -384,13 +385,9 @@ class Annotator:
                       mutate_correct=state["mutate_correct"])
 
     def db_path(self, db_id: str) -> pathlib.Path:
-        return find_database(self.database_dir, db_id)
+        return self._executors.db_path(db_id)
 
     def executor(self, db_id: str) -> Executor:
-        if db_id not in self._executors:
-            self._executors[db_id] = Executor(self.db_path(db_id), timeout_s=self.settings.timeout_s,
-                                              max_rows=self.settings.max_rows,
-                                              max_vm_steps=self.settings.max_vm_steps)
         return self._executors[db_id]
 
     def schema(self, db_id: str) -> Schema:
@@ -401,9 +398,7 @@ class Annotator:
         return self._schemas[db_id]
 
     def close(self) -> None:
-        for executor in self._executors.values():
-            executor.close()
-        self._executors.clear()
+        self._executors.close()
 
     def __call__(self, record: Mapping) -> Annotation:
         """Never raises on a bad record: failures come back as ``Annotation(source="error")``."""
