@@ -3,9 +3,22 @@
 Where a test needs the data and CI=true, a missing file is a failure, not a skip. Plain helpers are
 in tests/helpers.py.
 """
-import pytest
+import os
+import pathlib
 
-from tests.helpers import require, spider_dir
+# XLA's on-disk compilation cache for the test session and every subprocess it starts (JAX reads these
+# at import, so they are set before anything imports jax). Most of the suite's time is compiling the
+# same tiny models' programs: the second of two tests (or runs of the suite) that compile one program
+# loads it instead, bit-identical. A size limit turns on JAX's file lock, which the two xdist workers
+# need to share the directory. Set JAX_COMPILATION_CACHE_DIR to move it (an empty value turns it off).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      str(pathlib.Path(__file__).resolve().parents[1] / ".pytest_cache" / "xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+
+import pytest  # noqa: E402
+
+from tests.helpers import require, spider_dir  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -108,8 +108,9 @@ def child_main(workdir: Path, steps: int) -> None:
 
 @pytest.fixture(scope="module")
 def xla_cache(tmp_path_factory) -> Path:
-    """A compilation cache shared by every child of this module: only the first run pays for XLA."""
-    return tmp_path_factory.mktemp("xla_cache")
+    """A compilation cache shared by every child of this module (the test session's, tests/conftest.py,
+    when there is one): only the first run pays for XLA."""
+    return Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or tmp_path_factory.mktemp("xla_cache"))
 
 
 def child_env(cache: Path) -> dict[str, str]:

@@ -49,14 +49,16 @@ def random_policy(vocab_size: int, seed: int = 0, scale: float = 0.05):
 
 @contextlib.contextmanager
 def persistent_compile_cache(directory):
-    """XLA's on-disk compilation cache for a block: reruns of a training loop in one test (run, then
-    resume) compile the same programs, and the rerun then loads them instead of compiling again."""
+    """XLA's on-disk compilation cache for a block, every program kept however quick its compile:
+    reruns of a training loop in one test (run, then resume) compile the same programs, and the rerun
+    then loads them instead of compiling again. The test session's cache (tests/conftest.py) is used
+    when there is one, so a second session loads them too; ``directory`` otherwise."""
     from jax.experimental.compilation_cache import compilation_cache
 
     keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
             "jax_persistent_cache_min_entry_size_bytes")
     old = {k: getattr(jax.config, k) for k in keys}
-    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_compilation_cache_dir", old["jax_compilation_cache_dir"] or str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     compilation_cache.reset_cache()
