@@ -33,10 +33,110 @@ def require(path: pathlib.Path) -> pathlib.Path:
     pytest.skip(message)
 
 
-def run_train(*args: str, tmp_path) -> subprocess.CompletedProcess:
-    """``python -m caper_jax.train ARGS --workdir=<tmp_path>/w`` from the repo root, output captured."""
-    return subprocess.run([sys.executable, "-m", "caper_jax.train", *args, f"--workdir={tmp_path / 'w'}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+def run_train(*args: str, tmp_path=None, fresh: bool = False) -> subprocess.CompletedProcess:
+    """``python -m caper_jax.train ARGS --workdir=<tmp_path>/w`` (without tmp_path: ARGS alone) from the
+    repo root, output captured.
+
+    The process is forked from a server that has imported caper_jax.train and its trainers once (see
+    TrainForkServer); ``fresh=True`` starts a new interpreter instead, as the command line does
+    (tests/test_train_cli.py checks that both answer alike)."""
+    args = (*map(str, args), *([f"--workdir={tmp_path / 'w'}"] if tmp_path is not None else []))
+    if fresh:
+        return subprocess.run([sys.executable, "-m", "caper_jax.train", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+    return TrainForkServer.shared().run(args, timeout=120)
+
+
+# Runs in the server process. It imports what `python -m caper_jax.train` imports (and the trainer
+# modules its main imports), checks that no JAX backend (and so no XLA thread pool) exists yet, then
+# forks once per request: the child runs train.main under absl.app.run exactly as train.py's __main__
+# block does, with stdout and stderr on files, and exits with the status the interpreter would give.
+_TRAIN_SERVER = r"""
+import json, os, signal, sys, time, traceback
+reply = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)                               # nothing but replies on the reply channel
+from absl import app
+from caper_jax import train
+import caper_jax.prm.trainer, caper_jax.rl.trainer, caper_jax.sft.trainer, caper_jax.reproduce
+from jax._src import xla_bridge
+assert not xla_bridge._backends, "a JAX backend exists before the fork"
+for line in sys.stdin:
+    request = json.loads(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        sys.argv = [train.__file__, *request["args"]]   # as `-m` sets it: config_flags reads sys.argv
+        code = 0
+        try:
+            app.run(train.main, flags_parser=train.parse_flags)
+        except SystemExit as exit:
+            code = exit.code
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        if code is not None and not isinstance(code, int):   # sys.exit("message"): printed, status 1
+            print(code, file=sys.stderr)
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
+    deadline = time.monotonic() + request["timeout"]
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            break
+        time.sleep(0.01)
+    reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+    reply.flush()
+"""
+
+
+class TrainForkServer:
+    """One process per test worker that pays for caper_jax.train's imports (jax, flax, orbax, grain:
+    ~3 s of CPU, nearly all of a refused config's run) once, then forks a child per command line."""
+
+    _shared = None
+
+    @classmethod
+    def shared(cls) -> "TrainForkServer":
+        if cls._shared is None or cls._shared.proc.poll() is not None:
+            cls._shared = cls()
+        return cls._shared
+
+    def __init__(self):
+        import tempfile
+
+        self.log = tempfile.TemporaryFile()   # the server's own stderr: why it died, if it does
+        self.proc = subprocess.Popen([sys.executable, "-c", _TRAIN_SERVER], cwd=REPO, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+
+    def run(self, args, timeout: float) -> subprocess.CompletedProcess:
+        import json
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as outputs:
+            out, err = pathlib.Path(outputs, "stdout"), pathlib.Path(outputs, "stderr")
+            self.proc.stdin.write(json.dumps({"args": list(args), "stdout": str(out), "stderr": str(err),
+                                              "timeout": timeout}) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+            if not line:
+                self.log.seek(0)
+                raise AssertionError("the train fork server died:\n"
+                                     + self.log.read().decode(errors="replace")[-3000:])
+            returncode = json.loads(line)["returncode"]
+            if returncode == -9:
+                raise subprocess.TimeoutExpired(["caper_jax.train", *args], timeout)
+            return subprocess.CompletedProcess(["caper_jax.train", *args], returncode, out.read_text(),
+                                               err.read_text())
 
 
 def naive_spider_equal(gold, pred, ordered):

@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from tests.helpers import REPO, run_command
+from tests.helpers import REPO, run_command, run_train
 
 # Never ends on its own: SQLite counts until the executor's deadline (set far beyond the test).
 ENDLESS = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
@@ -468,7 +468,7 @@ def test_command_line_errors_after_parsing_are_one_line_under_absl_app_run(args,
 
 
 def train(workdir, *extra) -> subprocess.CompletedProcess:
-    return run_module("caper_jax.train", "--config=configs/prm.py", f"--workdir={workdir}", *extra)
+    return run_train("--config=configs/prm.py", f"--workdir={workdir}", *extra)
 
 
 def test_train_refuses_a_workdir_that_is_a_file_or_read_only(tmp_path):

@@ -37,3 +37,13 @@ def test_dry_run_refuses_an_unknown_preset_even_with_an_hf_dir(tmp_path):
     assert "invalid config: model.preset='qwen35_0b': a dry run compiles a preset's shapes" in result.stderr, \
         result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_a_forked_run_answers_as_the_command_line_does(tmp_path):
+    """run_train forks each run from a server that imported caper_jax.train once; the command line itself
+    (a fresh interpreter) must give the same exit status and the same output."""
+    args = ("--config=configs/prm.py", "--config.optim.lrr=1")
+    forked, fresh = run_train(*args, tmp_path=tmp_path), run_train(*args, tmp_path=tmp_path, fresh=True)
+    assert fresh.returncode == forked.returncode != 0
+    assert (fresh.stdout, fresh.stderr) == (forked.stdout, forked.stderr)
+    assert "unknown config key 'optim.lrr'" in fresh.stderr and "Traceback" not in fresh.stderr
