@@ -8,12 +8,14 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from caper_jax.models import Qwen35Config
-from caper_jax.prm.loss import LmAuxConfig, PairLossConfig
+from caper_jax.prm.loss import LmAuxConfig, PairLossConfig, pairwise_loss
 from caper_jax.prm.model import ClausePRM
 from caper_jax.prm.step import jit_steps
 from caper_jax.utils.optim import decay_mask, init_state, make_optimizer
 
-CONFIG = Qwen35Config.tiny(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4)
+# One model for every test here (its train step compiles once per batch layout): the vocabulary holds the
+# trained BPE tokenizer of the within-groups test (tests/helpers.make_tokenizer, 427 tokens).
+CONFIG = Qwen35Config.tiny(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=4)
 OPTIM = ConfigDict(dict(lr=3e-3, warmup_steps=2, total_steps=40, weight_decay=0.0, b1=0.9, b2=0.95,
                         grad_clip=1.0))
 
@@ -91,33 +93,35 @@ def test_weight_decay_skips_norms(setup):
     assert any(flat[k] for k in flat if "embed_tokens" in k)
 
 
-def test_within_groups_give_the_loss_of_their_tuples_as_pairs():
+def test_within_groups_give_the_loss_of_their_tuples_as_pairs(setup):
     """The same tuples, batched as pairs or with within-trajectory groups (one forward per negative
-    query): same pairs, same scores, so the same loss and accuracy before the update."""
+    query): same pairs, same scores, so the same loss and accuracy before the update.
+
+    The grouped batch goes through the train step (its metrics are those of the loss before the update);
+    the reference scores the tuples one pair per row with the forward-only eval step and applies
+    ``pairwise_loss`` (checked by hand in test_loss.py) to those scores: no second train-step compile."""
     from tests.helpers import make_tokenizer, make_within_tuples, prompt_fn
     from caper_jax.data.prm_pipeline import prm_pipeline
 
+    _, _, params, tx, train, evals, _ = setup
     tokenizer = make_tokenizer()
+    assert len(tokenizer) <= CONFIG.vocab_size
     tuples = make_within_tuples()
-    config = Qwen35Config.tiny(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                               num_hidden_layers=4)
-    graphdef, params = nnx.split(ClausePRM(config, rngs=nnx.Rngs(1)))
-    tx = make_optimizer(OPTIM)
-    train, _, _ = jit_steps(graphdef, tx, PairLossConfig())
     common = dict(max_len=192, bucket_lengths=(192,), prompt_fn=prompt_fn)
     as_pairs = prm_pipeline(tuples, tokenizer, global_batch_size=len(tuples), **common).dataset[0]
     grouped = prm_pipeline(tuples, tokenizer, global_batch_size=2, within_batch_size=8, **common).dataset[0]
     assert grouped["group_weight"].sum() == 7 and grouped["weight"].sum() == 2
     # 2 + (tuples - 2) pair rows vs 2 pair rows (4 sequences) + 7 group rows.
     assert (grouped["group_margin"] > 0).sum() == len(tuples) - 2
-    metrics = []
-    for batch in (as_pairs, grouped):
-        state = init_state(jax.tree.map(jnp.copy, params), tx)
-        _, m = train(state, {k: v for k, v in batch.items() if k != "record_index"})
-        metrics.append(m)
-    np.testing.assert_allclose(float(metrics[1]["loss"]), float(metrics[0]["loss"]), rtol=1e-5)
-    np.testing.assert_allclose(float(metrics[1]["accuracy"]), float(metrics[0]["accuracy"]), rtol=1e-6)
-    np.testing.assert_allclose(float(metrics[1]["margin_gap"]), float(metrics[0]["margin_gap"]), rtol=1e-4)
+    assert "group_ids" not in as_pairs and as_pairs["weight"].sum() == len(tuples)
+    r_chosen, r_rejected = evals(params, {k: v for k, v in as_pairs.items() if k != "record_index"})
+    expected_loss, expected = pairwise_loss(r_chosen, r_rejected, as_pairs["margin"], as_pairs["weight"],
+                                            PairLossConfig())
+    state = init_state(jax.tree.map(jnp.copy, params), tx)
+    _, got = train(state, {k: v for k, v in grouped.items() if k != "record_index"})
+    np.testing.assert_allclose(float(got["loss"]), float(expected_loss), rtol=1e-5)
+    np.testing.assert_allclose(float(got["accuracy"]), float(expected["accuracy"]), rtol=1e-6)
+    np.testing.assert_allclose(float(got["margin_gap"]), float(expected["margin_gap"]), rtol=1e-4)
 
 
 def test_lm_term_is_the_next_token_loss_of_the_chosen_sql(setup):
