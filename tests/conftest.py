@@ -13,7 +13,10 @@ import pathlib
 # need to share the directory. Set JAX_COMPILATION_CACHE_DIR to move it (an empty value turns it off).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path(__file__).resolve().parents[1] / ".pytest_cache" / "xla"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# Every program, however quick to compile: a tiny model built eagerly compiles ~50 one-op programs
+# (5 s; 1 s when loaded from the cache).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 import pytest  # noqa: E402

@@ -147,6 +147,7 @@ def reference(tmp_path_factory, xla_cache) -> tuple[list[str], Path]:
     return lines, workdir / "final.npz"
 
 
+@pytest.mark.slow   # three child trainings; resume from a checkpoint is checked in-process below (fast loop)
 def test_sigkill_and_resume_gives_bit_identical_params(tmp_path, reference, xla_cache):
     finish_child(start_child(tmp_path / "run", CHILD_STEPS, xla_cache), kill_after=2 * CHILD_EVERY)  # save in flight
     resumed = finish_child(start_child(tmp_path / "run", CHILD_STEPS, xla_cache))
@@ -316,6 +317,7 @@ def test_every_step_damaged_means_a_fresh_start_that_can_save_them_all_again(thr
     assert len(caplog.records) == 3 and len(list(three_checkpoints.glob("*.corrupt-*"))) == 3
 
 
+@pytest.mark.slow   # three child trainings; the fallback itself is checked in-process above (fast loop)
 def test_training_resumed_past_a_damaged_checkpoint_finishes_like_an_uninterrupted_run(tmp_path, reference, xla_cache):
     """End to end: the child loop saves 8 and 12 (keeping 2); step 12 is truncated; the rerun
     falls back to 8, saves 12 again over the set-aside copy and ends with the reference's params."""
@@ -423,6 +425,7 @@ def host_main(workdir: Path, port: int, process_id: int) -> None:
                       "iterator": fresh.get_state()}), flush=True)
 
 
+@pytest.mark.slow   # two processes joined by jax.distributed; test_sharding's two-process batch is the fast check
 def test_two_processes_stitch_batches_and_share_checkpoints(tmp_path, xla_cache):
     import socket
 
