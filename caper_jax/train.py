@@ -128,7 +128,12 @@ def main(argv: list[str]) -> None:
     problem = workdir_problem(_WORKDIR.value)
     if problem:
         sys.exit(f"error: {problem}")
-    trainer.run(config, _WORKDIR.value)
+    from caper_jax.data.world import WorldError
+
+    try:
+        trainer.run(config, _WORKDIR.value)
+    except WorldError as e:   # data.dir is not a usable layout: found when the run opens it
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

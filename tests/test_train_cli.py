@@ -20,6 +20,9 @@ from tests.helpers import run_train
     (["--config=configs/prm.py", "--config.mesh_shape.fsdp=3"], "mesh shape (1, 3, 1) needs 3 devices"),
     (["--config=configs/prm.py", "--config.annotate.semantics=sets"],
      "annotate.semantics='sets'; expected 'spider' or 'bird'"),
+    (["--config=configs/sft.py", "--config.data.kind=spider"], "data.kind='spider' needs --config.data.dir="),
+    (["--config=configs/grpo.py", "--config.data.kind=spider", "--config.data.dir=/tmp"],
+     "Spider data needs a tokenizer: set model.tokenizer_dir or model.hf_dir"),
 ])
 def test_bad_config_is_one_clear_error(args, message, tmp_path):
     result = run_train(*args, tmp_path=tmp_path)
@@ -47,3 +50,12 @@ def test_a_forked_run_answers_as_the_command_line_does(tmp_path):
     assert fresh.returncode == forked.returncode != 0
     assert (fresh.stdout, fresh.stderr) == (forked.stdout, forked.stderr)
     assert "unknown config key 'optim.lrr'" in fresh.stderr and "Traceback" not in fresh.stderr
+
+
+def test_a_data_dir_without_a_layout_is_one_clear_error(tmp_path):
+    """Whether data.dir holds a Spider/BIRD layout is found when the run opens it: one line, no traceback."""
+    result = run_train("--config=configs/prm.py", "--config.data.kind=spider", f"--config.data.dir={tmp_path / 'none'}",
+                       f"--config.model.tokenizer_dir={tmp_path}", tmp_path=tmp_path)
+    assert result.returncode != 0
+    assert f"error: data.dir {tmp_path / 'none'} does not exist" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

@@ -45,7 +45,21 @@ def _tokenizer_from(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+def check_data_config(config) -> None:
+    """The data fields a run needs, from the config alone (trainers' ``validate``, before anything is
+    written); whether ``data.dir`` holds a usable layout is ``prepare_world``'s to find out."""
+    kind = config.data.kind
+    if kind not in ("demo", "spider"):
+        raise WorldError(f"data.kind={kind!r}; expected 'demo' or 'spider'")
+    if kind == "spider":
+        if not config.data.dir:
+            raise WorldError("data.kind='spider' needs --config.data.dir=<Spider/BIRD layout directory>")
+        if not (config.model.tokenizer_dir or config.model.hf_dir):
+            raise WorldError("Spider data needs a tokenizer: set model.tokenizer_dir or model.hf_dir")
+
+
 def prepare_world(config, workdir: str | pathlib.Path) -> DataWorld:
+    check_data_config(config)
     kind = config.data.kind
     if kind == "demo":
         from caper_jax.demo.world import build_demo_world
@@ -64,17 +78,12 @@ def prepare_world(config, workdir: str | pathlib.Path) -> DataWorld:
             tokenizer = build_demo_tokenizer(tok_dir, seed=config.seed)
         return DataWorld(root, readers.database_dirs(root), tokenizer, kind, tok_dir)
     if kind == "spider":
-        if not config.data.dir:
-            raise WorldError("data.kind='spider' needs --config.data.dir=<Spider/BIRD layout directory>")
         root = pathlib.Path(config.data.dir)
         if not root.is_dir():
             raise WorldError(f"data.dir {root} does not exist")
         source = config.model.tokenizer_dir or config.model.hf_dir
-        if not source:
-            raise WorldError("Spider data needs a tokenizer: set model.tokenizer_dir or model.hf_dir")
         databases = readers.database_dirs(root)
         if not databases:
             raise WorldError(f"{root} has no database folder (Spider: database/; BIRD: dev_databases/, "
                              f"train_databases/ or dev/dev_databases/, train/train_databases/)")
         return DataWorld(root, databases, _tokenizer_from(source), kind, pathlib.Path(source))
-    raise WorldError(f"data.kind={kind!r}; expected 'demo' or 'spider'")
