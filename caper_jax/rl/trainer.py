@@ -212,6 +212,8 @@ def run(config, workdir: str) -> dict:
                                           graphdef=prm_graphdef)[:, -n_new:]
         else:
             prm_scores = jnp.zeros(batch["completion_mask"].shape, jnp.float32)
+        jax.block_until_ready(prm_scores)   # so the PRM's time is its own, not the update's
+        t_prm = time.perf_counter()
         advantages, unit_stats = advantages_from_rewards(
             prm_scores, batch["clause_ends"], batch["exec_rewards"], batch["completion_mask"], batch["parse_ok"],
             variant=config.reward.variant, group_size=group, gamma=float(config.rl.gamma),
@@ -244,6 +246,7 @@ def run(config, workdir: str) -> dict:
             "rollout/completion_len": generated / len(rollout.texts),
             "perf/rollout_tokens_per_s": generated / max(t_sampled - t_start, 1e-9),
             "perf/score_s": t_scored - t_sampled,
+            "perf/prm_s": t_prm - t_scored,
             "perf/update_tokens_per_s": updated_tokens / max(t_end - t_prepared, 1e-9),
             "perf/step_s": t_end - t_start}}
 

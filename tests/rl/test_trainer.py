@@ -159,7 +159,7 @@ def test_end_to_end_and_resume(variant, beta, world, prm_run, tmp_path):
     train_rows = [r for r in rows if "rollout/reward_mean" in r]
     assert [r["step"] for r in train_rows] == [1, 2]
     for key in ("rollout/ex", "rollout/unit_reward_mean", "train/clip_frac_low", "train/entropy",
-                "perf/rollout_tokens_per_s", "perf/update_tokens_per_s"):
+                "perf/rollout_tokens_per_s", "perf/update_tokens_per_s", "perf/score_s", "perf/prm_s"):
         assert np.isfinite(train_rows[-1][key]), key
     assert ("train/kl_ref" in train_rows[-1]) == (beta > 0)
     assert (tmp_path / "checkpoints" / "2").is_dir()
