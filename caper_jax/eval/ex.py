@@ -114,12 +114,9 @@ class Databases(Executors):
 
     def __init__(self, data_dir: str | os.PathLike, split: str, *, timeout_s: float, max_rows: int,
                  on_missing: Callable[[str], None] = lambda db_id: None):
-        super().__init__(data_dir, timeout_s=timeout_s, max_rows=max_rows)
+        super().__init__(lambda db_id: db_path(data_dir, db_id, split), timeout_s=timeout_s, max_rows=max_rows)
         self.data_dir, self.split, self.on_missing = data_dir, split, on_missing
         self._missing: set[str] = set()
-
-    def db_path(self, db_id: str) -> pathlib.Path:
-        return db_path(self.data_dir, db_id, self.split)
 
     def executor(self, db_id: str) -> Executor | None:
         if db_id in self._missing:

@@ -39,6 +39,7 @@ import pathlib
 import re
 import sqlite3
 import time
+from collections.abc import Callable
 from typing import Literal
 
 from sqlglot.dialects.sqlite import SQLite
@@ -332,20 +333,25 @@ def find_database(database_dirs, db_id: str) -> pathlib.Path:
 
 
 class Executors:
-    """One Executor per database of a Spider/BIRD layout: ``<database_dir>/<db_id>/<db_id>.sqlite``.
+    """One Executor per database, opened on first use and kept open.
 
-    ``database_dir`` may be several folders (BIRD's ``dev_databases/`` and ``train_databases/``, as
-    ``caper_jax.data.spider.database_dirs`` lists them), searched in order.
+    ``databases`` says where a db_id's file is: the folder(s) of a Spider/BIRD layout, searched in
+    order for ``<folder>/<db_id>/<db_id>.sqlite`` (BIRD's ``dev_databases/`` and ``train_databases/``,
+    as ``caper_jax.data.spider.database_dirs`` lists them), or a function ``db_id -> path`` for a
+    layout that resolves per split (``caper_jax.eval.ex.Databases``).
     """
 
-    def __init__(self, database_dir: str | os.PathLike | tuple, **executor_kwargs):
-        self.database_dirs = database_dirs_of(database_dir)
-        self.database_dir = self.database_dirs[0]
+    def __init__(self, databases: str | os.PathLike | tuple | Callable[[str], pathlib.Path], **executor_kwargs):
+        if callable(databases):
+            self._locate = databases
+        else:
+            dirs = database_dirs_of(databases)
+            self._locate = lambda db_id: find_database(dirs, db_id)
         self.executor_kwargs = executor_kwargs
         self._executors: dict[str, Executor] = {}
 
     def db_path(self, db_id: str) -> pathlib.Path:
-        return find_database(self.database_dirs, db_id)
+        return self._locate(db_id)
 
     def __getitem__(self, db_id: str) -> Executor:
         executor = self._executors.get(db_id)

@@ -117,7 +117,7 @@ def test_rewards_and_garbage(tok, executors):
         assert (r.input_ids[b, 4 + ends[:-1]] != stop).all()
     # The sandbox left the database as it was.
     assert executors.execute("d", "SELECT COUNT(*) FROM t").rows == ((3,),)
-    assert not (executors.database_dir / "x.sqlite").exists()
+    assert not (executors.db_path("d").parents[1] / "x.sqlite").exists()
 
     # Through the layout: garbage rows are one unit carrying the failure reward; SQL rows one per clause.
     prm = jnp.asarray(np.random.default_rng(0).normal(size=r.completion_mask.shape), jnp.float32)

@@ -105,6 +105,31 @@ def test_gold_queries_match_a_plain_sqlite_connection(spider):
     assert checked > 900
 
 
+def _one_value_db(path, value):
+    path.parent.mkdir(parents=True)
+    with sqlite3.connect(path) as connection:
+        connection.execute("CREATE TABLE t (v)")
+        connection.execute("INSERT INTO t VALUES (?)", (value,))
+    connection.close()
+
+
+def test_executors_search_folders_in_order_or_ask_a_resolver(tmp_path):
+    first, second = tmp_path / "dev_databases", tmp_path / "train_databases"
+    _one_value_db(first / "both" / "both.sqlite", "first")
+    _one_value_db(second / "both" / "both.sqlite", "second")
+    _one_value_db(second / "only" / "only.sqlite", "only")
+    with Executors((first, second)) as executors:
+        assert executors.execute("both", "SELECT v FROM t").rows == (("first",),)
+        assert executors.execute("only", "SELECT v FROM t").rows == (("only",),)
+        assert executors.db_path("absent") == first / "absent" / "absent.sqlite"   # reported where it belongs
+        assert executors.execute("absent", "SELECT 1").error_kind == "missing_db"
+    asked = []
+    with Executors(lambda db_id: asked.append(db_id) or second / db_id / f"{db_id}.sqlite") as executors:
+        assert executors.execute("both", "SELECT v FROM t").rows == (("second",),)
+        assert executors.execute("both", "SELECT v FROM t").rows == (("second",),)   # opened once
+    assert asked == ["both"]
+
+
 def test_cache_hits_on_whitespace_but_not_inside_quotes(db_copy):
     with Executor(db_copy) as executor:
         first = executor.execute("SELECT Name FROM singer WHERE Age > 30")
