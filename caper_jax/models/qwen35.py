@@ -391,8 +391,27 @@ class Qwen35ForCausalLM(nnx.Module):
         h = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
         return self.sharding.constrain(h, ("act_batch", "act_length", "act_embed"))
 
-    def _layer_stack(self, h: Array, ctx: _Context, caches: tuple[dict, ...] | None) -> tuple[Array, tuple | None]:
+    def layer_groups(self) -> list[nnx.State]:
+        """The stacked layer weights cut into one state per group (copies), for ``decode_step``'s
+        ``layer_groups``: sliced once before a decode loop instead of once per token (docs/model.md)."""
+        _, params = nnx.split(self.layers)
+        return [jax.tree.map(lambda x, g=g: x[g], params) for g in range(self.config.num_groups)]
+
+    def _layer_stack(self, h: Array, ctx: _Context, caches: tuple[dict, ...] | None,
+                     layer_groups: list[nnx.State] | None = None) -> tuple[Array, tuple | None]:
         graphdef, params = nnx.split(self.layers)
+        if layer_groups is not None:
+            # The groups unrolled over weights cut beforehand: XLA:CPU copies a scanned layer's slice of
+            # the stacked weights out before its GEMMs, at every step of a decode loop.
+            new_caches = caches
+            for g, group_params in enumerate(layer_groups):
+                layers = nnx.merge(graphdef, group_params)
+                for j, layer in enumerate(layers):
+                    h, cache = layer(h, ctx, jax.tree.map(lambda x: x[g], caches[j]))
+                    new_caches = (*new_caches[:j],
+                                  jax.tree.map(lambda full, new: full.at[g].set(new), new_caches[j], cache),
+                                  *new_caches[j + 1:])
+            return h, new_caches
 
         per_layer = self.config.remat == "layers" and caches is None
         runs = _kind_runs(self.config.period)
@@ -504,7 +523,8 @@ class Qwen35ForCausalLM(nnx.Module):
             valid=jnp.zeros((batch, max_len), bool),
         )
 
-    def _cached_step(self, input_ids: Array, valid: Array, cache: Qwen35Cache) -> tuple[Array, Qwen35Cache]:
+    def _cached_step(self, input_ids: Array, valid: Array, cache: Qwen35Cache,
+                     layer_groups: list[nnx.State] | None = None) -> tuple[Array, Qwen35Cache]:
         t = input_ids.shape[1]
         if valid.shape != input_ids.shape or input_ids.shape[0] != cache.valid.shape[0]:
             raise ValueError(
@@ -528,7 +548,7 @@ class Qwen35ForCausalLM(nnx.Module):
             write_index=cache.index,
             sharding=self.sharding,
         )
-        h, blocks = self._layer_stack(self._embed(input_ids), ctx, cache.blocks)
+        h, blocks = self._layer_stack(self._embed(input_ids), ctx, cache.blocks, layer_groups)
         logits = self.project(self.norm(h[:, -1]))
         new_cache = Qwen35Cache(
             blocks=blocks,
@@ -545,8 +565,13 @@ class Qwen35ForCausalLM(nnx.Module):
         """
         return self._cached_step(input_ids, attention_mask.astype(bool), cache)
 
-    def decode_step(self, token_ids: Array, cache: Qwen35Cache) -> tuple[Array, Qwen35Cache]:
-        """Feeds one token per row [B]; returns next-token logits [B, V] (fp32) and the cache."""
+    def decode_step(self, token_ids: Array, cache: Qwen35Cache,
+                    layer_groups: list[nnx.State] | None = None) -> tuple[Array, Qwen35Cache]:
+        """Feeds one token per row [B]; returns next-token logits [B, V] (fp32) and the cache.
+
+        layer_groups: ``self.layer_groups()`` computed once outside a decode loop, so the loop's
+        steps read each group's weights in place (the same result as without).
+        """
         if token_ids.ndim != 1:
             raise ValueError(f"token_ids must be [B]; got {token_ids.shape}")
-        return self._cached_step(token_ids[:, None], jnp.ones((token_ids.shape[0], 1), bool), cache)
+        return self._cached_step(token_ids[:, None], jnp.ones((token_ids.shape[0], 1), bool), cache, layer_groups)

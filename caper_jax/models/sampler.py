@@ -5,6 +5,9 @@ Design:
     length bucket; ``decode`` (the whole generation loop) compiles once per (batch, cache length,
     sampling config) and takes the cache *donated*, so the KV cache and DeltaNet states are updated in
     place and never copied.
+  * On the CPU the decode program first cuts the stacked layer weights into one copy per group
+    (``Qwen35ForCausalLM.layer_groups``) that every step reads in place; scanning the stacked weights
+    made XLA:CPU copy each group's slice out at every token (``SamplingConfig.copy_layer_weights``).
   * The loop is a ``lax.while_loop`` that exits as soon as every sequence has emitted a stop token,
     so short answers cost short time; ``max_new_tokens`` bounds it.
   * Sequences finish independently (done mask). After its stop token a sequence emits ``pad_id``
@@ -49,6 +52,11 @@ class SamplingConfig:
     stop_tokens: tuple[int, ...] = ()
     pad_id: int = 0
     cache_dtype: str = "float32"  # KV-cache dtype (the model keeps DeltaNet states in fp32)
+    # Cut the stacked layer weights into per-group copies once before the decode loop (one more copy
+    # of the layer weights while it runs) instead of XLA slicing them out at every token: None = on
+    # the CPU only, where the per-token copies were 26 % of a decode (BENCHMARKS.md); accelerators
+    # read a scanned slice in place.
+    copy_layer_weights: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
@@ -116,6 +124,10 @@ def _prefill(graphdef, state, prompt_ids, prompt_mask, *, max_len: int, cache_dt
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("cache",))
 def _decode(graphdef, state, first_logits, cache, row_keys, *, config: SamplingConfig):
     model = nnx.merge(graphdef, state)
+    copy_weights = config.copy_layer_weights
+    if copy_weights is None:
+        copy_weights = jax.default_backend() == "cpu"
+    layer_groups = model.layer_groups() if copy_weights else None   # loop-invariant inputs of the while
     batch = first_logits.shape[0]
     stop = jnp.asarray(config.stop_tokens or (-1,), jnp.int32)
     tokens0, log_probs0 = select_tokens(first_logits, row_keys, jnp.int32(0), config)
@@ -130,7 +142,7 @@ def _decode(graphdef, state, first_logits, cache, row_keys, *, config: SamplingC
 
     def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
         step, cache, previous, done, out_tokens, out_log_probs, lengths = carry
-        logits, cache = model.decode_step(previous, cache)
+        logits, cache = model.decode_step(previous, cache, layer_groups)
         tokens, log_probs = select_tokens(_last_logits(logits), row_keys, step, config)
         tokens = jnp.where(done, config.pad_id, tokens)
         log_probs = jnp.where(done, 0.0, log_probs)
@@ -156,7 +168,8 @@ def generate(
     """Samples ``config.max_new_tokens`` continuations of left-padded prompts.
 
     Args:
-      model: a ``Qwen35ForCausalLM`` (anything with ``init_cache`` / ``prefill`` / ``decode_step``).
+      model: a ``Qwen35ForCausalLM`` (anything with ``init_cache`` / ``prefill`` / ``decode_step``, and
+        ``layer_groups`` where ``config.copy_layer_weights`` resolves to True).
       prompt_ids: int32 [B, P], left-padded.
       prompt_mask: [B, P], 1 on prompt tokens, 0 on left padding.
       key: a PRNG key (see the module docstring for how it is split).

@@ -109,8 +109,10 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) 
     prompt_len, new = config.sampling.max_prompt_len, config.sampling.max_new_tokens
     full = prompt_len + new
     minibatch = rows // config.rl.num_minibatches
+    # The accelerator's decode program: scanned layers read in place, no per-group weight copies (the
+    # simulated devices here are CPUs, whose default would add them).
     sampling = SamplingConfig(new, config.sampling.temperature, config.sampling.top_k, config.sampling.top_p,
-                              stop_tokens=(0,), pad_id=0)
+                              stop_tokens=(0,), pad_id=0, copy_layer_weights=False)
     figures: dict[str, ProgramFigures] = {}
 
     def run(name, fn, args, *, uses, tokens, n_rows, calls=1, static=None, donate=(), trips=1.0):

@@ -94,6 +94,24 @@ def test_greedy_log_probs_match_full_forward(greedy, prompts, full_forward):
     np.testing.assert_allclose(np.asarray(greedy.log_probs), expected, atol=LOGPROB_ATOL)
 
 
+def test_scanned_and_copied_layer_weights_decode_alike(model, prompts, full_forward):
+    """The CPU's decode (layer weights cut per group once) and the accelerators' (the scan's slices)
+    give the reference's greedy path and the same samples."""
+    ids, mask, rows = prompts
+    reference = naive_greedy(full_forward, rows, MAX_NEW)
+    outputs = {}
+    for copy in (False, True):
+        greedy = generate(model, ids, mask, jax.random.key(0),
+                          SamplingConfig(MAX_NEW, temperature=0.0, copy_layer_weights=copy))
+        np.testing.assert_array_equal(np.asarray(greedy.tokens), reference)
+        sampled = generate(model, ids, mask, jax.random.key(3),
+                           SamplingConfig(MAX_NEW, temperature=0.7, top_p=0.3, copy_layer_weights=copy))
+        outputs[copy] = (greedy, sampled)
+    for scanned, copied in zip(outputs[False], outputs[True]):
+        np.testing.assert_array_equal(np.asarray(scanned.tokens), np.asarray(copied.tokens))
+        np.testing.assert_allclose(np.asarray(scanned.log_probs), np.asarray(copied.log_probs), atol=LOGPROB_ATOL)
+
+
 def test_sampled_log_probs_and_top_p_support_match_full_forward(model, prompts, full_forward):
     ids, mask, rows = prompts
     out = generate(model, ids, mask, jax.random.key(1), NUCLEUS)
