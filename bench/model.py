@@ -15,6 +15,11 @@ greedy-token agreement as a check).
     new tokens per second.
   * roofline: an fp32 GEMM timed with both libraries; the faster rate bounds any fp32 step, and
     the train step's matmul FLOPs (counted on its jaxpr) divided by it is the step's floor.
+  * decode roofline: at batch 8 a decode step is a row of matrix-vector products, bound by memory,
+    not FLOPs: every step reads every weight it multiplies (all but the untied input embedding, of
+    which it gathers 8 rows) and the whole cache (attention runs over all its slots), and writes the
+    recurrent states. Those bytes over the faster streaming rate (a jitted / torch sum over 512 MiB,
+    far beyond the caches) are the step's floor.
 
     python bench/model.py            # about 2-3 minutes on 2 cores
 
@@ -88,6 +93,48 @@ def gemm_rate(n: int, repeats: int) -> dict[str, float]:
     torch_s = median_time(lambda: torch.matmul(t, t), repeats)
     flops = 2.0 * n**3
     return {"jax": flops / jax_s / 1e9, "torch": flops / torch_s / 1e9}
+
+
+def stream_rate(nbytes: int, repeats: int) -> dict[str, float]:
+    """GB/s of reading an fp32 array of ``nbytes`` once (its sum) in JAX and in PyTorch."""
+    n = nbytes // 4
+    x = jnp.ones((n,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    jax_s = median_time(lambda: total(x).block_until_ready(), repeats)
+    t = torch.ones(n)
+    t.sum()
+    torch_s = median_time(lambda: t.sum(), repeats)
+    return {"jax": nbytes / jax_s / 1e9, "torch": nbytes / torch_s / 1e9}
+
+
+def gemv_rate(batch: int, k: int, n: int, repeats: int) -> dict[str, float]:
+    """GB/s of weights read by a [batch, k] x [k, n] fp32 matmul (a decode step's shape) in JAX and PyTorch."""
+    x, w = jnp.ones((batch, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+    matmul(x, w).block_until_ready()
+    jax_s = median_time(lambda: matmul(x, w).block_until_ready(), repeats)
+    tx, tw = torch.ones(batch, k), torch.ones(k, n)
+    torch.matmul(tx, tw)
+    torch_s = median_time(lambda: torch.matmul(tx, tw), repeats)
+    nbytes = k * n * 4
+    return {"jax": nbytes / jax_s / 1e9, "torch": nbytes / torch_s / 1e9}
+
+
+def decode_step_bytes(jax_model, batch: int, max_len: int) -> int:
+    """Bytes one decode step must move at least: the weights it multiplies, the cache it reads, the
+    recurrent (DeltaNet) and conv states it writes back (module docstring)."""
+    def nbytes(x) -> int:
+        return int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+
+    weights = sum(map(nbytes, jax.tree.leaves(nnx.state(jax_model, nnx.Param))))
+    if not jax_model.config.tie_word_embeddings:   # the input embedding: `batch` rows gathered, not read
+        vocab, hidden = jax_model.embed_tokens.shape
+        weights -= (vocab - batch) * hidden * jnp.dtype(jax_model.embed_tokens.dtype).itemsize
+    cache = jax.eval_shape(lambda: jax_model.init_cache(batch, max_len))
+    read = sum(map(nbytes, jax.tree.leaves(cache.blocks)))
+    written = sum(nbytes(x) for block in cache.blocks for name, x in block.items() if name in ("recurrent", "conv"))
+    return weights + read + written
 
 
 def build_models(tmp: str, seed: int):
@@ -195,6 +242,9 @@ def main() -> None:
 
     load = start_load_check(own=args.threads)   # JAX and PyTorch both keep every thread busy
     rates = gemm_rate(2048, 5)
+    streams = stream_rate(512 * 2**20, 5)
+    # The LM head's shape at decode: the largest of a step's matrix-vector products.
+    gemvs = gemv_rate(8, BENCH_CONFIG["hidden_size"], BENCH_CONFIG["vocab_size"], 7)
     with tempfile.TemporaryDirectory() as tmp:
         torch_model, jax_model = build_models(tmp, seed=0)
     n_params = sum(p.numel() for p in torch_model.parameters())
@@ -207,6 +257,9 @@ def main() -> None:
 
     peak = max(rates.values())
     floor_s = train["matmul_flops"] / (peak * 1e9)
+    stream_peak = max(streams.values())
+    step_bytes = decode_step_bytes(jax_model, prompts.shape[0], prompts.shape[1] + args.new_tokens)
+    decode_floor_tok_s = prompts.shape[0] / (step_bytes / (stream_peak * 1e9))
     load.finish()
     mark = load.mark
     print(f"jax {jax.__version__} / torch {torch.__version__}, {args.threads} threads, "
@@ -230,6 +283,15 @@ def main() -> None:
           f"(target >= 3); process CPU s: jax {decode['jax_cpu_s']:.2f}, torch {decode['torch_cpu_s']:.2f}; "
           f"jax compile {decode['jax_compile_s']:.1f} s; greedy token agreement "
           f"{decode['token_agreement']:.1%}")
+    print(f"decode roofline: {step_bytes / 1e6:.0f} MB per step at {stream_peak:.1f} GB/s (fp32 read: jax "
+          f"{streams['jax']:.1f}, torch {streams['torch']:.1f}) -> at most {decode_floor_tok_s:.0f} tok/s; jax at "
+          f"{mark(format(decode['jax_tok_s'] / decode_floor_tok_s, '.0%'))} of it, torch at "
+          f"{mark(format(decode['torch_tok_s'] / decode_floor_tok_s, '.0%'))}; the 3x target "
+          f"({3 * decode['torch_tok_s']:.0f} tok/s) is {3 * decode['torch_tok_s'] / decode_floor_tok_s:.2f}x the floor's rate")
+    gemv_cap = prompts.shape[0] / (step_bytes / (gemvs["jax"] * 1e9))
+    print(f"decode GEMV [8,{BENCH_CONFIG['hidden_size']}]x[{BENCH_CONFIG['hidden_size']},{BENCH_CONFIG['vocab_size']}]: "
+          f"jax {gemvs['jax']:.1f} GB/s, torch {gemvs['torch']:.1f} GB/s of weights; at jax's rate a step's bytes "
+          f"cap decode at {gemv_cap:.0f} tok/s (jax at {mark(format(decode['jax_tok_s'] / gemv_cap, '.0%'))} of that)")
 
 
 if __name__ == "__main__":
