@@ -186,12 +186,18 @@ class StageClock:
 
 
 def start_stages(out: pathlib.Path) -> StageClock:
-    """The workdir, XLA's persistent compilation cache in it and the stage clock: the many trainer runs
-    and evaluations compile the same programs again and again, and the cache turns every compile after
-    the first into a lookup."""
+    """The workdir, XLA's persistent compilation cache and the stage clock: the many trainer runs and
+    evaluations compile the same programs again and again, and the cache turns every compile after the
+    first into a lookup.
+
+    The cache is the one the caller configured (``JAX_COMPILATION_CACHE_DIR`` or ``jax.config``), else
+    ``<workdir>/jax_cache``. JAX writes the cache's own path into every program's compile options (its
+    ``xla_gpu_per_fusion_autotune_cache_dir``), so entries hit only in the folder they were written in:
+    a copied cache misses everything; several workdirs share compiles through one configured cache."""
     out.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(out / "jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(out / "jax_cache"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return StageClock(out / "stage_seconds.json")
 
 

@@ -89,10 +89,15 @@ def get_config(arg: str | None = None) -> ConfigDict:
         c.sft.data.demo_train_size, c.sft.data.demo_dev_size = 200, 60   # a smaller world: less to annotate
         c.sft.data.bucket_lengths = (c.sft.data.max_len,)
         c.sft.optim.total_steps = 10
+        # Small batches: on 2 cores the steps' arithmetic, not their compiles, was most of a run.
+        c.sft.data.batch_size = 4
         c.prm.optim.total_steps = 4
+        c.prm.data.batch_size, c.prm.data.within_batch_size = 4, 4
         c.prm.data.bucket_lengths = (c.prm.data.max_len,)   # one compiled shape
         c.prm.data.max_eval_tuples = 32
         c.grpo.optim.total_steps = 2
+        c.grpo.rl.prompts_per_step, c.grpo.rl.group_size = 2, 4
+        c.grpo.sampling.max_new_tokens = 32
         c.samples.train_questions = 12
         c.report.pick_questions = 8
         c.eval.data.num_examples = 8

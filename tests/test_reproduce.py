@@ -6,7 +6,6 @@ size (``configs/reproduce.py:fast``) checks that the outputs are wired to the ne
 """
 import json
 import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -172,10 +171,9 @@ def test_every_stage_runs_and_a_rerun_resumes_without_redoing_work(tmp_path):
     final = first.stdout.split("Reproduction finished")[-1]
     assert "Clause-PRM" in final and "MV@" in final and str(out / "results.md") in final
     # A twin run from nothing: every figure must come out the same (a lost seed, an unordered set or a
-    # wall-clock dependence anywhere in the pipeline shows up here). It starts with the first run's
-    # persistent compilation cache, which holds compiled programs only (no state), so it recomputes
-    # every stage without compiling them again.
-    shutil.copytree(out / "jax_cache", twin / "jax_cache")
+    # wall-clock dependence anywhere in the pipeline shows up here). Both runs use the test session's
+    # compilation cache (tests/conftest.py), which holds compiled programs only (no state), so the twin
+    # recomputes every stage without compiling them again.
     twin_run = subprocess.run(cmd + [f"--workdir={twin}"], cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert twin_run.returncode == 0, twin_run.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
@@ -213,6 +211,26 @@ def test_every_stage_runs_and_a_rerun_resumes_without_redoing_work(tmp_path):
     for stage in ("sft", "samples", "prm", "grpo", "eval"):   # done stages cost nothing the second time
         assert again[stage] - seconds[stage] < 1.0, (stage, seconds[stage], again[stage])
     assert json.loads((out / "results.json").read_text())["ex"] == results["ex"]
+
+
+def test_stages_use_the_configured_compilation_cache_else_the_workdirs(tmp_path):
+    """A cache the caller configured is kept (JAX writes a cache's path into each program's compile
+    options, so a copied cache never hits: runs share compiles only through one folder)."""
+    import jax
+
+    from caper_jax import reproduce
+
+    saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "shared"))
+        reproduce.start_stages(tmp_path / "w1")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "shared")
+        jax.config.update("jax_compilation_cache_dir", None)
+        reproduce.start_stages(tmp_path / "w2")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "w2" / "jax_cache")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", saved[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
 
 
 def test_rerank_minus_vote_is_paired_per_question(tmp_path):
