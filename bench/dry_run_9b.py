@@ -116,6 +116,7 @@ def main() -> None:
     layer_types = None if ARGS.layers == 32 else qwen35_9b().layer_types[: ARGS.layers]
     config = qwen35_9b(
         dtype="bfloat16", param_dtype="float32", remat=ARGS.remat, tie_word_embeddings=True,
+        unroll_layers=False,   # the accelerators' scanned program (the CPU's default unrolls)
         **({} if layer_types is None else {"num_hidden_layers": ARGS.layers, "layer_types": layer_types}),
     )
     # The PRM trainer's optimizer (caper_jax/utils/optim.py) with configs/prm.py's 9B settings.

@@ -71,6 +71,11 @@ class Qwen35Config:
     param_dtype: str = "float32"  # storage dtype of the parameters
     remat: str = "none"           # none | full | dots (save matmul outputs), per layer group | layers (save layer inputs only)
     chunk_size: int = 64          # gated-delta-rule chunk length
+    # The layer groups as one lax.scan (False) or unrolled (True); None: unrolled on the CPU only, where
+    # the scanned backward's slicing and transposes cost 9 % of a train step (BENCHMARKS.md), scanned on
+    # accelerators (one compiled group however deep the model). Dry runs, which model accelerators on
+    # CPU devices, pass False.
+    unroll_layers: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -99,6 +104,8 @@ class Qwen35Config:
                 raise ConfigError(f"{name}={getattr(self, name)!r}; expected one of {DTYPES}")
         if self.chunk_size <= 0:
             raise ConfigError("chunk_size must be positive")
+        if self.unroll_layers not in (None, True, False):
+            raise ConfigError(f"unroll_layers={self.unroll_layers!r}; expected None, True or False")
 
     # Derived sizes -------------------------------------------------------------------------
 

@@ -443,7 +443,10 @@ class Qwen35ForCausalLM(nnx.Module):
                 new_caches.append(cache)
             return h, None if group_caches is None else tuple(new_caches)
 
-        return jax.lax.scan(_remat(group, self.config.remat), h, (params, caches))
+        unroll = self.config.unroll_layers
+        if unroll is None:
+            unroll = jax.default_backend() == "cpu"
+        return jax.lax.scan(_remat(group, self.config.remat), h, (params, caches), unroll=unroll)
 
     def project(self, h: Array) -> Array:
         """Hidden states [..., H] -> fp32 logits [..., V]."""
