@@ -220,5 +220,15 @@ class Qwen35Config:
         return dataclasses.replace(self, **changes)
 
 
+def on_cpu_unless(choice: bool | None) -> bool:
+    """A run-time choice whose default (None) is True on the CPU only (``unroll_layers``,
+    ``SamplingConfig.copy_layer_weights``: measured wins on XLA:CPU, not on accelerators)."""
+    if choice is not None:
+        return choice
+    import jax   # the config module itself imports no JAX
+
+    return jax.default_backend() == "cpu"
+
+
 def qwen35_9b(**overrides: Any) -> Qwen35Config:
     return Qwen35Config.qwen35_9b(**overrides)

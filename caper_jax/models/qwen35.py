@@ -40,7 +40,7 @@ from flax import nnx, struct
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 
-from caper_jax.models.config import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config
+from caper_jax.models.config import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config, on_cpu_unless
 from caper_jax.ops.gated_delta import (
     causal_conv1d,
     chunk_gated_delta_rule,
@@ -403,15 +403,12 @@ class Qwen35ForCausalLM(nnx.Module):
         if layer_groups is not None:
             # The groups unrolled over weights cut beforehand: XLA:CPU copies a scanned layer's slice of
             # the stacked weights out before its GEMMs, at every step of a decode loop.
-            new_caches = caches
+            new_caches = list(caches)
             for g, group_params in enumerate(layer_groups):
-                layers = nnx.merge(graphdef, group_params)
-                for j, layer in enumerate(layers):
+                for j, layer in enumerate(nnx.merge(graphdef, group_params)):
                     h, cache = layer(h, ctx, jax.tree.map(lambda x: x[g], caches[j]))
-                    new_caches = (*new_caches[:j],
-                                  jax.tree.map(lambda full, new: full.at[g].set(new), new_caches[j], cache),
-                                  *new_caches[j + 1:])
-            return h, new_caches
+                    new_caches[j] = jax.tree.map(lambda full, new: full.at[g].set(new), new_caches[j], cache)
+            return h, tuple(new_caches)
 
         per_layer = self.config.remat == "layers" and caches is None
         runs = _kind_runs(self.config.period)
@@ -443,10 +440,8 @@ class Qwen35ForCausalLM(nnx.Module):
                 new_caches.append(cache)
             return h, None if group_caches is None else tuple(new_caches)
 
-        unroll = self.config.unroll_layers
-        if unroll is None:
-            unroll = jax.default_backend() == "cpu"
-        return jax.lax.scan(_remat(group, self.config.remat), h, (params, caches), unroll=unroll)
+        return jax.lax.scan(_remat(group, self.config.remat), h, (params, caches),
+                            unroll=on_cpu_unless(self.config.unroll_layers))
 
     def project(self, h: Array) -> Array:
         """Hidden states [..., H] -> fp32 logits [..., V]."""

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from caper_jax.models.config import on_cpu_unless
+
 
 class SamplingError(ValueError):
     """Invalid sampling arguments."""
@@ -124,10 +126,8 @@ def _prefill(graphdef, state, prompt_ids, prompt_mask, *, max_len: int, cache_dt
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("cache",))
 def _decode(graphdef, state, first_logits, cache, row_keys, *, config: SamplingConfig):
     model = nnx.merge(graphdef, state)
-    copy_weights = config.copy_layer_weights
-    if copy_weights is None:
-        copy_weights = jax.default_backend() == "cpu"
-    layer_groups = model.layer_groups() if copy_weights else None   # loop-invariant inputs of the while
+    # Loop-invariant inputs of the while: read in place by every step.
+    layer_groups = model.layer_groups() if on_cpu_unless(config.copy_layer_weights) else None
     batch = first_logits.shape[0]
     stop = jnp.asarray(config.stop_tokens or (-1,), jnp.int32)
     tokens0, log_probs0 = select_tokens(first_logits, row_keys, jnp.int32(0), config)
