@@ -132,6 +132,9 @@ def validate(config: ConfigDict) -> None:
                          "('train': the reranker that is best on the training pool)")
     if config.report.pick_questions < 1:
         raise ValueError(f"report.pick_questions must be >= 1, got {config.report.pick_questions}")
+    if config.report.get("pick_held_back") and config.report.pick_questions >= config.samples.train_questions:
+        raise ValueError(f"report.pick_held_back leaves the PRM no sampled question: report.pick_questions="
+                         f"{config.report.pick_questions} >= samples.train_questions={config.samples.train_questions}")
     if config.prm_init not in PRM_INITS:
         raise ValueError(f"prm_init={config.prm_init!r}; expected one of {PRM_INITS}")
     placeholder = pathlib.Path("/nonexistent")
@@ -280,21 +283,52 @@ def groups_path(train_samples: pathlib.Path) -> pathlib.Path:
     return train_samples.with_name("train_groups.jsonl")
 
 
+def pick_groups(config: ConfigDict, train_samples: pathlib.Path) -> list[dict]:
+    """The sampled training questions (whole groups of k) the reranker is picked on: a seeded subset of
+    ``report.pick_questions``; with ``report.pick_held_back`` the PRM never trains on them."""
+    groups = [json.loads(line) for line in groups_path(train_samples).read_text().splitlines() if line.strip()]
+    return seeded_subset(groups, config.report.pick_questions, config.seed)
+
+
+def held_back_questions(config: ConfigDict, train_samples: pathlib.Path) -> set[tuple[str, str, str]]:
+    """(db_id, question, gold) of the pick questions when ``report.pick_held_back``, else nothing."""
+    if not config.report.get("pick_held_back"):
+        return set()
+    return {(g["db_id"], g["question"], g["gold"]) for g in pick_groups(config, train_samples)}
+
+
 def build_prm_data(data_dir: pathlib.Path, train_samples: pathlib.Path, eval_predictions: pathlib.Path,
-                   out: pathlib.Path, train_split: str, eval_split: str) -> None:
+                   out: pathlib.Path, train_split: str, eval_split: str,
+                   held_back: set[tuple[str, str, str]] = frozenset()) -> None:
     """A Spider-layout view of the world whose predictions are the SFT policy's samples.
 
     The world's files are linked, not copied; its own ``predictions_*.jsonl`` (the demo world's
     simulated failures) are left out, so the PRM learns from the policy's trajectories only.
+    ``held_back`` (db_id, question, gold) training questions are left out of both the samples and the
+    training split's golds (no fault injection of them either): the PRM never sees them, so a choice
+    made on them is out of sample.
     """
     out.mkdir(parents=True, exist_ok=True)
+    split_file = out / f"{train_split}.json"
     for entry in data_dir.iterdir():
         if entry.name.startswith("predictions_") or entry.name == "manifest.json":
             continue
         link = out / entry.name
+        if held_back and link == split_file:
+            continue
         if not link.exists():
             link.symlink_to(entry.resolve())
-    (out / f"predictions_{train_split}.jsonl").write_text(train_samples.read_text())
+    if not held_back:
+        (out / f"predictions_{train_split}.jsonl").write_text(train_samples.read_text())
+    else:
+        questions = json.loads((data_dir / split_file.name).read_text())
+        kept = [q for q in questions if (q["db_id"], q["question"], q["query"]) not in held_back]
+        if split_file.is_symlink():
+            split_file.unlink()
+        split_file.write_text(json.dumps(kept, indent=1) + "\n")
+        samples = [json.loads(line) for line in train_samples.read_text().splitlines() if line.strip()]
+        write_jsonl(out / f"predictions_{train_split}.jsonl",
+                    [r for r in samples if (r["db_id"], r["question"], r["gold"]) not in held_back])
     records = []
     for line in eval_predictions.read_text().splitlines():
         row = json.loads(line)
@@ -369,8 +403,7 @@ def pick_reranker(config: ConfigDict, data_dir: pathlib.Path, train_samples: pat
     from caper_jax.sql.execution import Executors
 
     e = config.eval
-    groups = [json.loads(line) for line in groups_path(train_samples).read_text().splitlines() if line.strip()]
-    groups = seeded_subset(groups, config.report.pick_questions, config.seed)
+    groups = pick_groups(config, train_samples)
     mesh, rules = loop.mesh_and_rules(e)
     scorer = prm_scorer(config, prm_dir, mesh, rules)
     schema_values = config.sft.data.get("schema_values", 0)
@@ -440,7 +473,8 @@ def run(config: ConfigDict, workdir: str) -> dict:
 
     def write_prm_data():
         build_prm_data(data_dir, train_samples, out / "eval" / "sft" / "predictions.jsonl", out / "prm_data",
-                       configs["prm"].data.train_split, configs["prm"].data.eval_split)
+                       configs["prm"].data.train_split, configs["prm"].data.eval_split,
+                       held_back_questions(config, train_samples))
         add_policy_confidence(config, eval_examples(config, data_dir, out / "eval" / "sft"), out / "sft",
                               out / "prm_data" / f"predictions_{configs['prm'].data.eval_split}.jsonl")
 

@@ -60,6 +60,9 @@ def get_config(arg: str | None = None) -> ConfigDict:
     # of min|mean|last|vote_min|vote_mean|vote_last fixed.
     c.report.rerank = "train"
     c.report.pick_questions = 200
+    # True: those questions' samples and golds are left out of the PRM's training data, so the pick is out
+    # of sample (False: they also trained the PRM, which favours what the PRM memorised; issue 21 item 3).
+    c.report.pick_held_back = False
 
     # The PRM's backbone starts as the SFT policy ("sft": the stand-in for the paper's pretrained LLM,
     # prm.model.init_from) or random ("random").

@@ -53,6 +53,42 @@ def test_prm_data_links_the_world_and_holds_only_policy_samples(tmp_path):
     assert all(d["gold"] == "SELECT 3" and d["question"] == "q2" for d in dev)
 
 
+def test_held_back_pick_questions_are_out_of_the_prms_samples_and_golds(tmp_path):
+    """report.pick_held_back: the questions the reranker is picked on are in neither the PRM's samples nor
+    its training split (whose golds are fault-injected), and they are exactly the pick stage's groups."""
+    world = tmp_path / "world"
+    (world / "database").mkdir(parents=True)
+    questions = [{"db_id": "db", "question": f"q{i}", "query": f"SELECT {i}"} for i in range(10)]
+    (world / "train.json").write_text(json.dumps(questions))
+    train_samples = tmp_path / "samples" / "train.jsonl"
+    train_samples.parent.mkdir()
+    reproduce.write_jsonl(train_samples, [{"db_id": "db", "question": q["question"], "gold": q["query"],
+                                           "pred": f"{q['query']} + {j}"} for q in questions for j in (1, 2)])
+    reproduce.write_jsonl(reproduce.groups_path(train_samples),
+                          [{"db_id": "db", "question": q["question"], "gold": q["query"],
+                            "samples": [f"{q['query']} + 1", f"{q['query']} + 2"]} for q in questions])
+    eval_rows = tmp_path / "predictions.jsonl"
+    eval_rows.write_text(json.dumps({"db_id": "db", "question": "d", "gold": "SELECT 0", "samples": ["SELECT 0"]}) + "\n")
+    config = reproduce_config.get_config("fast")
+    config.report.pick_questions = 4
+
+    config.report.pick_held_back = False
+    assert reproduce.held_back_questions(config, train_samples) == set()
+    config.report.pick_held_back = True
+    held = reproduce.held_back_questions(config, train_samples)
+    picked = {(g["db_id"], g["question"], g["gold"]) for g in reproduce.pick_groups(config, train_samples)}
+    assert len(held) == 4 and held == picked
+
+    out = tmp_path / "prm_data"
+    reproduce.build_prm_data(world, train_samples, eval_rows, out, "train", "dev", held)
+    kept = json.loads((out / "train.json").read_text())
+    assert not (out / "train.json").is_symlink() and len(kept) == 6
+    assert not {(q["db_id"], q["question"], q["query"]) for q in kept} & held
+    samples = [json.loads(line) for line in (out / "predictions_train.jsonl").read_text().splitlines()]
+    assert len(samples) == 12 and not {(r["db_id"], r["question"], r["gold"]) for r in samples} & held
+    assert json.loads((world / "train.json").read_text()) == questions     # the world itself is untouched
+
+
 def _fake_stage_outputs(out: pathlib.Path, config) -> dict:
     """results.json files as the PRM trainer and the evaluator write them, with chosen numbers."""
     (out / "prm").mkdir(parents=True)
@@ -145,6 +181,8 @@ def test_collect_and_report_from_stage_outputs(tmp_path):
     (["--config=configs/reproduce.py", "--config.grpo.rl.group_size=0"], "grpo."),
     (["--config=configs/reproduce.py:seeds=0"], "seeds=() must be non-empty"),
     (["--config=configs/reproduce.py", "--config.eval.sampling.k=1"], "eval.sampling.k must be >= 2"),
+    (["--config=configs/reproduce.py", "--config.report.pick_held_back=True", "--config.report.pick_questions=400"],
+     "report.pick_held_back leaves the PRM no sampled question"),
 ])
 def test_bad_reproduce_config_is_one_clear_error(args, message, tmp_path):
     result = run_train(*args, tmp_path=tmp_path)
