@@ -38,7 +38,7 @@ import logging
 import os
 import pathlib
 import time
-from typing import Any, Iterator
+from typing import AbstractSet, Any, Iterator
 
 import jax
 import numpy as np
@@ -132,7 +132,7 @@ def validate(config: ConfigDict) -> None:
                          "('train': the reranker that is best on the training pool)")
     if config.report.pick_questions < 1:
         raise ValueError(f"report.pick_questions must be >= 1, got {config.report.pick_questions}")
-    if config.report.get("pick_held_back") and config.report.pick_questions >= config.samples.train_questions:
+    if config.report.pick_held_back and config.report.pick_questions >= config.samples.train_questions:
         raise ValueError(f"report.pick_held_back leaves the PRM no sampled question: report.pick_questions="
                          f"{config.report.pick_questions} >= samples.train_questions={config.samples.train_questions}")
     if config.prm_init not in PRM_INITS:
@@ -292,14 +292,14 @@ def pick_groups(config: ConfigDict, train_samples: pathlib.Path) -> list[dict]:
 
 def held_back_questions(config: ConfigDict, train_samples: pathlib.Path) -> set[tuple[str, str, str]]:
     """(db_id, question, gold) of the pick questions when ``report.pick_held_back``, else nothing."""
-    if not config.report.get("pick_held_back"):
+    if not config.report.pick_held_back:
         return set()
     return {(g["db_id"], g["question"], g["gold"]) for g in pick_groups(config, train_samples)}
 
 
 def build_prm_data(data_dir: pathlib.Path, train_samples: pathlib.Path, eval_predictions: pathlib.Path,
                    out: pathlib.Path, train_split: str, eval_split: str,
-                   held_back: set[tuple[str, str, str]] = frozenset()) -> None:
+                   held_back: AbstractSet[tuple[str, str, str]] = frozenset()) -> None:
     """A Spider-layout view of the world whose predictions are the SFT policy's samples.
 
     The world's files are linked, not copied; its own ``predictions_*.jsonl`` (the demo world's
@@ -323,7 +323,7 @@ def build_prm_data(data_dir: pathlib.Path, train_samples: pathlib.Path, eval_pre
     else:
         questions = json.loads((data_dir / split_file.name).read_text())
         kept = [q for q in questions if (q["db_id"], q["question"], q["query"]) not in held_back]
-        if split_file.is_symlink():
+        if split_file.is_symlink():   # a view built before without held_back: writing through it would edit the world
             split_file.unlink()
         split_file.write_text(json.dumps(kept, indent=1) + "\n")
         samples = [json.loads(line) for line in train_samples.read_text().splitlines() if line.strip()]
