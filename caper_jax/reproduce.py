@@ -297,6 +297,13 @@ def held_back_questions(config: ConfigDict, train_samples: pathlib.Path) -> set[
     return {(g["db_id"], g["question"], g["gold"]) for g in pick_groups(config, train_samples)}
 
 
+def picked_questions_note(pick: dict) -> str:
+    """How the pick questions relate to the PRM's training data, for a report; a ``rerank_pick.json``
+    written before the field existed was an in-sample pick."""
+    return ("that the PRM never trained on " if pick.get("held_back") else
+            "that also trained the PRM (in sample) ")
+
+
 def build_prm_data(data_dir: pathlib.Path, train_samples: pathlib.Path, eval_predictions: pathlib.Path,
                    out: pathlib.Path, train_split: str, eval_split: str,
                    held_back: AbstractSet[tuple[str, str, str]] = frozenset()) -> None:
@@ -420,7 +427,8 @@ def pick_reranker(config: ConfigDict, data_dir: pathlib.Path, train_samples: pat
     ex = metrics["prm"]
     picked = max(rerankers(config), key=lambda how: (ex[how], -rerankers(config).index(how)))
     return {"split": config.sft.data.train_split, "n": len(groups), "k": e.sampling.k, "ex": ex,
-            "majority_vote": metrics["majority_vote"], "oracle": metrics["oracle"], "picked": picked}
+            "majority_vote": metrics["majority_vote"], "oracle": metrics["oracle"], "picked": picked,
+            "held_back": bool(config.report.pick_held_back)}
 
 
 def rerank_saved_samples(config: ConfigDict, data_dir: pathlib.Path, eval_dir: pathlib.Path, prm_dir: pathlib.Path
@@ -655,7 +663,8 @@ def write_report(config: ConfigDict, results: dict, out: pathlib.Path) -> None:
         f"Best-of-{k} by each aggregate of the clause scores, and PRM-weighted voting (`vote_*`: the result class "
         "with the largest sum of its members' sigmoid(score)). The reranker the other tables use, "
         f"`{how}`, was " + (f"picked on {results['rerank_pick']['n']} TRAINING questions' samples "
-                             f"(`rerank_pick.json`), never on these." if results["rerank_pick"] and
+                             f"{picked_questions_note(results['rerank_pick'])}(`rerank_pick.json`), never on these."
+                             if results["rerank_pick"] and
                              results["rerank_pick"]["picked"] == how else "fixed by report.rerank.") + "\n",
         f"| policy | MV@{k} | " + " | ".join(results["rerank8"]) + " |", "|---|---|" + "---|" * len(results["rerank8"]),
         *[f"| {n} | {100 * results['mv8'][n]['mean']:.1f} | " + " | ".join(
@@ -804,6 +813,9 @@ def validate_verifier(config: ConfigDict) -> None:
         raise ValueError("data.train_questions and data.dev_questions must be >= 0 (0: all)")
     if config.samples.train_questions < 1 or config.report.pick_questions < 1:
         raise ValueError("samples.train_questions and report.pick_questions must be >= 1")
+    if config.report.pick_held_back and config.report.pick_questions >= config.samples.train_questions:
+        raise ValueError(f"report.pick_held_back leaves the PRM no sampled question: report.pick_questions="
+                         f"{config.report.pick_questions} >= samples.train_questions={config.samples.train_questions}")
     if config.eval.sampling.k < 2:
         raise ValueError(f"eval.sampling.k must be >= 2 (a vote on the training pool), got {config.eval.sampling.k}")
     configs = verifier_configs(config, pathlib.Path("/nonexistent"))
@@ -903,7 +915,8 @@ def run_verifier(config: ConfigDict, workdir: str) -> dict:
         pools = out / "systems_dev.jsonl"   # the six systems' candidates as an evaluation's sample rows
         write_jsonl(pools, [{"db_id": c["db_id"], "question": c["question"], "gold": c["gold"],
                              "samples": c["candidates"]} for c in candidates])
-        build_prm_data(view, train_samples, pools, out / "prm_data", "train", "dev")
+        build_prm_data(view, train_samples, pools, out / "prm_data", "train", "dev",
+                       held_back_questions(config, train_samples))
         with Executors(policy_lib.database_dir(view), timeout_s=config.eval.timeout_s) as executors:
             examples, _ = policy_lib.usable_examples(view, "dev", config.sft.data.schema_values, executors, 0,
                                                      config.seed)
@@ -1025,6 +1038,8 @@ def write_verifier_report(results: dict, out: pathlib.Path) -> None:
              *[f"| PRM {sel}@{k}{' (picked on train)' if sel == how else ''} | {100 * v:.1f} |"
                for sel, v in results["rerank"].items()],
              f"| oracle@{k} | {100 * results['oracle']:.1f} |",
+             f"\nThe reranker was picked on {results['rerank_pick']['n']} training questions' samples "
+             f"{picked_questions_note(results['rerank_pick'])}(`rerank_pick.json`), never on dev.",
              "\n## What it shows\n"]
     if "prm" in loc and fair:
         lines.append(f"- Localisation top-1, PRM minus the best gold-free baseline ({fair}): "

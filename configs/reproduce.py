@@ -1,13 +1,13 @@
 """The miniature CAPER experiment, end to end (caper_jax/reproduce.py has the stages).
 
-Built-in default — 2 CPU cores, no downloads, 24 minutes measured (2026-12-02, AVX-512 EPYC): the demo world; SFT of a tiny
+Built-in default — 2 CPU cores, no downloads, 23 minutes measured (2026-12-02, AVX-512 EPYC): the demo world; SFT of a tiny
 Qwen3.5-architecture policy; k samples per question; annotation; a Clause-PRM trained on the
 annotated samples; GRPO with sparse, token-level and clause-level (CAPER) rewards over several
 seeds at equal budgets; greedy EX, MV@k and PRM best-of-k of every policy; PRM root-cause
 localisation against the baselines (the SFT policy's confidence, sample disagreement, execution-only,
 random; the gold-seeing "first diff from gold" heuristic as a reference row). The PRM's backbone
 starts from the SFT policy (prm_init="sft"); the reranker of the headline is picked on training
-questions (report.rerank="train"):
+questions (report.rerank="train") that the PRM never trained on (report.pick_held_back):
 
     bash launch/reproduce_cpu.sh runs/reproduce
     python -m caper_jax.train --config=configs/reproduce.py --workdir=runs/reproduce    # the same
@@ -61,8 +61,9 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.report.rerank = "train"
     c.report.pick_questions = 200
     # True: those questions' samples and golds are left out of the PRM's training data, so the pick is out
-    # of sample (False: they also trained the PRM, which favours what the PRM memorised; issue 21 item 3).
-    c.report.pick_held_back = False
+    # of sample. False: they also train the PRM, and the pick favours what the PRM memorised (measured:
+    # docs/reproduce_results/candidate_contrasts.md).
+    c.report.pick_held_back = True
 
     # The PRM's backbone starts as the SFT policy ("sft": the stand-in for the paper's pretrained LLM,
     # prm.model.init_from) or random ("random").

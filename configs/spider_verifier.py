@@ -14,7 +14,8 @@ From nothing (``caper_jax/reproduce.py``, ``run_verifier``; every stage resumes)
               root clause) against the baselines (policy confidence, sample disagreement across the six
               systems, execution-only, random; first-diff-from-gold as a reference that sees gold)
     pick      the reranker (best-of-k per aggregate or PRM-weighted vote) with the best EX on the
-              policy's samples of training questions — never chosen on dev
+              policy's samples of training questions the PRM never trained on (report.pick_held_back)
+              — never chosen on dev
     verify    EX on dev of each system alone, MV@6, every PRM reranker, oracle@6 (caper_jax.eval.verify)
 
     bash launch/spider_verifier.sh runs/spider_verifier
@@ -59,6 +60,8 @@ def get_config(arg: str | None = None) -> ConfigDict:
 
     c.report = ConfigDict()
     c.report.pick_questions = 300             # training questions of the reranker pick
+    # Their samples and golds are left out of the PRM's training data, so the pick is out of sample.
+    c.report.pick_held_back = True
 
     c.verify = ConfigDict()
     c.verify.semantics = "spider"             # EX semantics of verify / evaluate ex

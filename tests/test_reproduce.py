@@ -234,6 +234,8 @@ def test_every_stage_runs_and_a_rerun_resumes_without_redoing_work(tmp_path):
     assert prm_config["model"]["init_from"] == str(out / "sft")
     pick = json.loads((out / "rerank_pick.json").read_text())
     assert pick["split"] == "train" and results["rerank_aggregate"] == pick["picked"]
+    assert pick["held_back"] is True   # the default: the PRM never trained on the pick questions
+    assert "TRAINING questions' samples that the PRM never trained on" in (out / "results.md").read_text()
     assert set(results["rerank8"]) == set(pick["ex"]) == {"min", "mean", "last", "vote_min", "vote_mean", "vote_last"}
     assert set(results["ex"]) == {"sft", "sparse", "clause"}
     assert results["ex"]["sparse"]["values"] and len(results["ex"]["sparse"]["values"]) == 1

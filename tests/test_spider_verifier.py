@@ -32,7 +32,20 @@ def test_fast_verifier_runs_every_stage(tmp_path):
     assert all(v <= results["oracle"] for v in results["ex_alone"].values())
     assert set(results["rerank"]) == SELECTORS and results["rerank_aggregate"] in SELECTORS
     assert set(results["rerank_minus_mv"]) == SELECTORS
-    assert results["rerank_pick"]["split"] == "train"
+    assert results["rerank_pick"]["split"] == "train" and results["rerank_pick"]["held_back"] is True
+    # The pick questions (report.pick_held_back) are in neither the PRM's samples nor its fault-injected golds.
+    from caper_jax import reproduce
+    from configs.spider_verifier import get_config
+    held = reproduce.held_back_questions(get_config("fast"), out / "samples" / "train.jsonl")
+    assert len(held) == results["rerank_pick"]["n"] == 6
+    prm_golds = {(q["db_id"], q["question"], q["query"])
+                 for q in json.loads((out / "prm_data" / "train.json").read_text())}
+    prm_samples = {(r["db_id"], r["question"], r["gold"]) for r in map(
+        json.loads, (out / "prm_data" / "predictions_train.jsonl").read_text().splitlines())}
+    assert prm_samples and not held & prm_golds and not held & prm_samples
+    view_golds = {(q["db_id"], q["question"], q["query"])
+                  for q in json.loads((out / "spider" / "train.json").read_text())}
+    assert held <= view_golds and len(prm_golds) == len(view_golds) - len(held)
     loc = results["localization"]
     assert loc, "no real failure was localised"
     assert loc["heuristic"]["sees_gold"] is True and {"confidence", "disagreement"} <= set(loc)
@@ -46,6 +59,7 @@ def test_fast_verifier_runs_every_stage(tmp_path):
     assert stored["model"]["init_from"] == str(out / "sft") and stored["annotate"]["candidate_contrasts"]
     md = (out / "results.md").read_text()
     assert "| MV@6 |" in md and "(picked on train)" in md and "| oracle@6 |" in md
+    assert "training questions' samples that the PRM never trained on" in md
 
 
 @pytest.mark.parametrize("args, message", [
@@ -53,6 +67,7 @@ def test_fast_verifier_runs_every_stage(tmp_path):
     (["--config.data.spider_dir=/nonexistent"], "data.spider_dir='/nonexistent' is not a directory"),
     (["--config.eval.sampling.k=1"], "eval.sampling.k must be >= 2"),
     (["--config.prm.model.preset=big"], "prm: model.preset='big'"),
+    (["--config.report.pick_questions=2000"], "report.pick_held_back leaves the PRM no sampled question"),
 ])
 def test_bad_verifier_config_is_one_clear_error(args, message, tmp_path):
     result = run_train("--config=configs/spider_verifier.py", *args, tmp_path=tmp_path)
@@ -72,7 +87,7 @@ def test_a_workdir_verified_before_the_per_candidate_verdicts_is_verified_again(
     out = tmp_path / "sv"
     for path, text in [("spider/tokenizer/tokenizer.json", "{}"), ("sft/results.json", "{}"),
                        ("samples/train.jsonl", ""), ("prm/results.json", '{"metrics": {}, "localization": {}}'),
-                       ("rerank_pick.json", '{"picked": "min", "split": "train"}')]:
+                       ("rerank_pick.json", '{"picked": "min", "split": "train", "n": 2}')]:
         (out / path).parent.mkdir(parents=True, exist_ok=True)
         (out / path).write_text(text)
     pool = {"n": 2, "first": 0.5, "vote": 0.5, "prm_by_aggregate": {"min": 1.0}, "any": 1.0}
