@@ -106,6 +106,13 @@ def run_name(variant: str, seed: int) -> str:
     return f"{variant}_s{seed}"
 
 
+def check_pick_held_back(config: ConfigDict) -> None:
+    """Holding the pick questions back must leave the PRM some sampled training question (both pipelines)."""
+    if config.report.pick_held_back and config.report.pick_questions >= config.samples.train_questions:
+        raise ValueError(f"report.pick_held_back leaves the PRM no sampled question: report.pick_questions="
+                         f"{config.report.pick_questions} >= samples.train_questions={config.samples.train_questions}")
+
+
 def validate(config: ConfigDict) -> None:
     if config.get("pipeline", "miniature") == "spider_verifier":
         return validate_verifier(config)
@@ -132,9 +139,7 @@ def validate(config: ConfigDict) -> None:
                          "('train': the reranker that is best on the training pool)")
     if config.report.pick_questions < 1:
         raise ValueError(f"report.pick_questions must be >= 1, got {config.report.pick_questions}")
-    if config.report.pick_held_back and config.report.pick_questions >= config.samples.train_questions:
-        raise ValueError(f"report.pick_held_back leaves the PRM no sampled question: report.pick_questions="
-                         f"{config.report.pick_questions} >= samples.train_questions={config.samples.train_questions}")
+    check_pick_held_back(config)
     if config.prm_init not in PRM_INITS:
         raise ValueError(f"prm_init={config.prm_init!r}; expected one of {PRM_INITS}")
     placeholder = pathlib.Path("/nonexistent")
@@ -813,9 +818,7 @@ def validate_verifier(config: ConfigDict) -> None:
         raise ValueError("data.train_questions and data.dev_questions must be >= 0 (0: all)")
     if config.samples.train_questions < 1 or config.report.pick_questions < 1:
         raise ValueError("samples.train_questions and report.pick_questions must be >= 1")
-    if config.report.pick_held_back and config.report.pick_questions >= config.samples.train_questions:
-        raise ValueError(f"report.pick_held_back leaves the PRM no sampled question: report.pick_questions="
-                         f"{config.report.pick_questions} >= samples.train_questions={config.samples.train_questions}")
+    check_pick_held_back(config)
     if config.eval.sampling.k < 2:
         raise ValueError(f"eval.sampling.k must be >= 2 (a vote on the training pool), got {config.eval.sampling.k}")
     configs = verifier_configs(config, pathlib.Path("/nonexistent"))

@@ -35,10 +35,10 @@ def in_sample_data(run: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     """The run's PRM data with the pick questions' golds and samples kept in (an in-sample pick)."""
     data = out / "prm_data_insample"
     if not data.exists():
-        shutil.copytree(run / "prm_data", data, symlinks=True)
-        (data / "train.json").unlink()
-        (data / "train.json").symlink_to((run / "world" / "train.json").resolve())
-        (data / "predictions_train.jsonl").write_text((run / "samples" / "train.jsonl").read_text())
+        reproduce.build_prm_data(run / "world", run / "samples" / "train.jsonl", run / "eval" / "sft" / "predictions.jsonl",
+                                 data, "train", "dev")   # no held_back: the pick questions train the PRM too
+        # The held-out rows with the confidence stage's clause log-probs (the confidence baseline reads them).
+        shutil.copyfile(run / "prm_data" / "predictions_dev.jsonl", data / "predictions_dev.jsonl")
     return data
 
 
