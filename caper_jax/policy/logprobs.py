@@ -2,9 +2,10 @@
 
 With Qwen3.5's 248k vocabulary, fp32 logits for one 8 × 1024 micro-batch are 8 GB, and the backward
 of a plain ``log_softmax`` keeps them (and a softmax of the same size) alive. Here the sequence is
-cut into chunks of ``chunk_size`` positions and ``lax.map`` runs the head one chunk at a time; the
-chunk function is wrapped in ``jax.checkpoint`` so the backward recomputes each chunk's logits
-instead of saving them. Peak extra memory is then a few ``B · chunk_size · V`` fp32 buffers.
+cut into chunks of ``chunk_size`` positions and ``lax.map`` runs the head one chunk at a time. The
+backward is written by hand (a ``custom_vjp`` over all chunks): it recomputes each chunk's logits
+instead of saving them, forms their cotangent in closed form and accumulates the head's gradient
+chunk by chunk. Peak extra memory is then a few ``B · chunk_size · V`` fp32 buffers.
 
 Chunks run along the sequence axis, not the flattened ``B·T`` axis, so a batch sharded over the
 ``data`` axis stays sharded inside each chunk. The head matmul accumulates in fp32
@@ -27,20 +28,77 @@ from caper_jax.models import Qwen35ForCausalLM
 Array = jax.Array
 
 
-def _chunk_logprobs(hidden: Array, targets: Array, head: Array, *, tied: bool, temperature: float,
-                    with_entropy: bool) -> tuple[Array, Array | None]:
-    """Log-prob of ``targets`` (and entropy) for one ``[B, C, H]`` chunk."""
+def _chunk_logits(hidden: Array, head: Array, tied: bool, temperature: float) -> Array:
+    """fp32 ``[B, C, V]`` logits of one chunk, divided by the temperature."""
     equation = "bch,vh->bcv" if tied else "bch,hv->bcv"
     logits = jnp.einsum(equation, hidden, head, preferred_element_type=jnp.float32)
-    if temperature != 1.0:
-        logits = logits / temperature
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def _chunk_forward(hidden: Array, head: Array, targets: Array, tied: bool, temperature: float,
+                   with_entropy: bool) -> tuple[Array, Array, Array | None]:
+    """(log-prob of ``targets``, log-normaliser, entropy or None) for one ``[B, C, H]`` chunk."""
+    logits = _chunk_logits(hidden, head, tied, temperature)
     log_normaliser = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    logp = target_logit - log_normaliser
+    logp = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - log_normaliser
     if not with_entropy:
-        return logp, None
+        return logp, log_normaliser, None
     probs = jnp.exp(logits - log_normaliser[..., None])
-    return logp, log_normaliser - jnp.sum(probs * logits, axis=-1)
+    return logp, log_normaliser, log_normaliser - jnp.sum(probs * logits, axis=-1)
+
+
+# The head and its loss as one custom VJP over all chunks, rather than autodiff of a checkpointed
+# chunk function: the backward recomputes each chunk's logits once, forms the logit cotangent
+# in closed form and feeds it straight to the two GEMMs, accumulating the head's gradient in the
+# scan's carry. On CPU that is 1.6x faster than XLA's autodiff of the same chunked function
+# (BENCHMARKS.md, "Fused head and cross-entropy"), and the residuals are what remat kept: the chunks'
+# inputs and one log-normaliser per position.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunked_logprobs(hidden: Array, head: Array, targets: Array, tied: bool, temperature: float,
+                      with_entropy: bool) -> tuple[Array, Array | None]:
+    """``[n, B, C]`` log-probs (and entropies) of ``[n, B, C, H]`` chunked hidden states."""
+    return _chunked_logprobs_fwd(hidden, head, targets, tied, temperature, with_entropy)[0]
+
+
+def _chunked_logprobs_fwd(hidden, head, targets, tied, temperature, with_entropy):
+    logp, log_normaliser, entropy = jax.lax.map(
+        lambda xs: _chunk_forward(xs[0], head, xs[1], tied, temperature, with_entropy), (hidden, targets))
+    return (logp, entropy), (hidden, head, targets, log_normaliser, entropy)
+
+
+def _chunked_logprobs_bwd(tied, temperature, with_entropy, residuals, cotangents):
+    hidden, head, targets, log_normaliser, entropy = residuals
+    logp_ct, entropy_ct = cotangents
+
+    def chunk_backward(head_grad, xs):
+        hidden_c, targets_c, log_normaliser_c, entropy_c, logp_ct_c, entropy_ct_c = xs
+        logits = _chunk_logits(hidden_c, head, tied, temperature)
+        log_probs = logits - log_normaliser_c[..., None]
+        probs = jnp.exp(log_probs)
+        # d log p[y] / d z = onehot(y) - p
+        logits_ct = (jax.nn.one_hot(targets_c, logits.shape[-1], dtype=probs.dtype) - probs) * logp_ct_c[..., None]
+        if with_entropy:  # d H / d z_j = -p_j (log p_j + H)
+            logits_ct -= (probs * (log_probs + entropy_c[..., None])) * entropy_ct_c[..., None]
+        if temperature != 1.0:
+            logits_ct = logits_ct / temperature
+        logits_ct = logits_ct.astype(head.dtype)
+        if tied:   # logits = h @ W^T with W [V, H]
+            hidden_ct = jnp.einsum("bcv,vh->bch", logits_ct, head, preferred_element_type=jnp.float32)
+            step_grad = jnp.einsum("bcv,bch->vh", logits_ct, hidden_c, preferred_element_type=jnp.float32)
+        else:      # logits = h @ W with W [H, V]
+            hidden_ct = jnp.einsum("bcv,hv->bch", logits_ct, head, preferred_element_type=jnp.float32)
+            step_grad = jnp.einsum("bch,bcv->hv", hidden_c, logits_ct, preferred_element_type=jnp.float32)
+        return head_grad + step_grad, hidden_ct.astype(hidden_c.dtype)
+
+    if not with_entropy:  # placeholders the scan can carry; chunk_backward does not read them
+        entropy = entropy_ct = jnp.zeros_like(log_normaliser)
+    head_grad, hidden_ct = jax.lax.scan(
+        chunk_backward, jnp.zeros(head.shape, jnp.float32),
+        (hidden, targets, log_normaliser, entropy, logp_ct, entropy_ct))
+    return hidden_ct, head_grad.astype(head.dtype), None
+
+
+_chunked_logprobs.defvjp(_chunked_logprobs_fwd, _chunked_logprobs_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "tied", "temperature", "return_entropy"))
@@ -88,11 +146,7 @@ def token_logprobs(
     hidden = hidden.reshape(batch, chunks, chunk_size, width).swapaxes(0, 1)
     targets = targets.reshape(batch, chunks, chunk_size).swapaxes(0, 1)
 
-    # prevent_cse=False: inside a scan the remat cannot be CSE'd away anyway (jax.checkpoint docs).
-    per_chunk = jax.checkpoint(functools.partial(
-        _chunk_logprobs, head=lm_head_w, tied=tied, temperature=temperature,
-        with_entropy=return_entropy), prevent_cse=False)
-    logp, entropy = jax.lax.map(lambda xs: per_chunk(*xs), (hidden, targets))
+    logp, entropy = _chunked_logprobs(hidden, lm_head_w, targets, tied, float(temperature), return_entropy)
 
     def unchunk(values: Array) -> Array:
         return values.swapaxes(0, 1).reshape(batch, chunks * chunk_size)[:, :length]

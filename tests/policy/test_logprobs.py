@@ -65,6 +65,43 @@ def test_gradients_match_full_softmax():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_gradients_of_entropy_tied_and_tempered_match_full_softmax(tied):
+    # The backward is hand-written (a custom VJP); autodiff of the plain full softmax is the reference
+    # for both outputs' cotangents at once, with a temperature and either head layout.
+    hidden, head, targets = problem(seed=5)
+    k = jax.random.split(jax.random.key(6), 2)
+    w_logp, w_entropy = (jax.random.normal(key, targets.shape) for key in k)
+    layout = (lambda w: w.T) if tied else (lambda w: w)
+
+    def full(h, w):
+        logp_all = jax.nn.log_softmax(h @ layout(w) / 0.7, axis=-1)
+        logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
+        return logp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+
+    def chunked(h, w):
+        return token_logprobs(h, w, targets, 5, tied=tied, temperature=0.7, return_entropy=True)
+
+    def loss(fn):
+        return lambda h, w: jnp.sum(w_logp * fn(h, w)[0] + w_entropy * fn(h, w)[1])
+
+    w = layout(head)
+    for got, want in zip(jax.grad(loss(chunked), argnums=(0, 1))(hidden, w),
+                         jax.grad(loss(full), argnums=(0, 1))(hidden, w)):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_gradients_keep_the_input_dtypes():
+    hidden, head, targets = problem(seed=7, h=64, dtype=jnp.bfloat16)
+    grads = jax.grad(lambda h, w: token_logprobs(h, w, targets, 8).sum(), argnums=(0, 1))(hidden, head)
+    assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.bfloat16]
+    ref = jax.grad(lambda h, w: naive_jax(h, w, targets).sum(), argnums=(0, 1))(
+        hidden.astype(jnp.float32), head.astype(jnp.float32))
+    for got, want in zip(grads, ref):  # bf16 rounding of the cotangent and the result
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=5e-2, atol=5e-2)
+
+
 def test_bf16_params_accumulate_in_fp32():
     hidden, head, targets = problem(seed=4, h=64, dtype=jnp.bfloat16)
     logp = token_logprobs(hidden, head, targets, 8)
