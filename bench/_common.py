@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
+import time
 from collections.abc import Callable
 
 QUIET_SHARE = 0.5        # foreign load allowed, as a share of the cores
@@ -87,3 +89,13 @@ def start_load_check(own: float | None = None, *, cores: int | None = None,
                  f"quiet when the 1-min load is <= {check.start_limit:.2f} at start and <= {check.end_limit:.2f} "
                  "at end (bench/_common.py)")
     return check
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall seconds of ``repeats`` calls of ``fn`` (which must block until its result is ready)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -18,16 +18,14 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import start_load_check  # noqa: E402
+from bench._common import median_time, start_load_check  # noqa: E402
 from caper_jax.policy.logprobs import token_logprobs  # noqa: E402
 
 
@@ -46,16 +44,6 @@ def autodiff_chunked_logprobs(hidden, head, targets, chunk_size):
 
     logp = jax.lax.map(lambda xs: chunk(*xs), (hidden, targets))
     return logp.swapaxes(0, 1).reshape(batch, chunks * chunk_size)[:, :length]
-
-
-def best_time(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -84,12 +72,14 @@ def main() -> None:
 
     size = 2048
     a = jax.random.normal(keys[0], (size, size))
-    gemm_rate = 2 * size**3 / best_time(jax.jit(lambda x: x @ x), a, repeats=args.repeats)
+    square = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(square(a))
+    gemm_rate = 2 * size**3 / median_time(lambda: jax.block_until_ready(square(a)), args.repeats)
 
     times = {"fused": [], "autodiff": []}
     for _ in range(2):   # alternate, so both see the same load
-        times["fused"].append(best_time(fused, hidden, head, repeats=args.repeats))
-        times["autodiff"].append(best_time(reference, hidden, head, repeats=args.repeats))
+        for name, fn in (("fused", fused), ("autodiff", reference)):
+            times[name].append(median_time(lambda: jax.block_until_ready(fn(hidden, head)), args.repeats))
     fused_s, ref_s = (min(times[k]) for k in ("fused", "autodiff"))
     load.finish()
 

@@ -47,7 +47,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import start_load_check  # noqa: E402
+from bench._common import median_time, start_load_check  # noqa: E402
 from caper_jax.models import Qwen35Config, from_hf  # noqa: E402
 from caper_jax.models.sampler import SamplingConfig, generate  # noqa: E402
 from caper_jax.parallel.dry_run import jaxpr_matmul_flops  # noqa: E402
@@ -59,15 +59,6 @@ BENCH_CONFIG = dict(
     linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
     max_position_embeddings=4096,
 )
-
-
-def median_time(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def interleaved(jax_fn: Callable[[], object], torch_fn: Callable[[], object], repeats: int) -> dict[str, float]:
