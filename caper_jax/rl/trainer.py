@@ -225,6 +225,7 @@ def run(config, workdir: str) -> dict:
             train_batch["ref_logp"] = jit_completion_logprobs(
                 ref_params, batch["input_ids"], batch["attention_mask"], graphdef=graphdef, completion_len=n_new,
                 temperature=float(config.sampling.temperature), chunk_size=config.chunk_size)
+        jax.block_until_ready(train_batch)   # so the reference's time is its own, not the update's
         t_prepared = time.perf_counter()
 
         updates = []
@@ -244,9 +245,12 @@ def run(config, workdir: str) -> dict:
             "rollout/parse_rate": float(rollout.parse_ok.mean()),
             "rollout/exec_rate": float(rollout.executed.mean()),
             "rollout/completion_len": generated / len(rollout.texts),
+            "perf/rollout_s": t_sampled - t_start,
             "perf/rollout_tokens_per_s": generated / max(t_sampled - t_start, 1e-9),
             "perf/score_s": t_scored - t_sampled,
             "perf/prm_s": t_prm - t_scored,
+            "perf/reference_s": t_prepared - t_prm,
+            "perf/update_s": t_end - t_prepared,
             "perf/update_tokens_per_s": updated_tokens / max(t_end - t_prepared, 1e-9),
             "perf/step_s": t_end - t_start}}
 

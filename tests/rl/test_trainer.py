@@ -161,6 +161,10 @@ def test_end_to_end_and_resume(variant, beta, world, prm_run, tmp_path):
     for key in ("rollout/ex", "rollout/unit_reward_mean", "train/clip_frac_low", "train/entropy",
                 "perf/rollout_tokens_per_s", "perf/update_tokens_per_s", "perf/score_s", "perf/prm_s"):
         assert np.isfinite(train_rows[-1][key]), key
+    parts = ("perf/rollout_s", "perf/score_s", "perf/prm_s", "perf/reference_s", "perf/update_s")
+    for row in train_rows:   # the timed parts are disjoint pieces of the step
+        assert all(row[k] >= 0 for k in parts) and sum(row[k] for k in parts) <= row["perf/step_s"] + 1e-6
+        assert row["perf/update_s"] > 0 and row["perf/rollout_s"] > 0
     assert ("train/kl_ref" in train_rows[-1]) == (beta > 0)
     assert (tmp_path / "checkpoints" / "2").is_dir()
     from caper_jax import runs
