@@ -1,7 +1,10 @@
 """Where the LM train step of bench/model.py goes, op by op, from an XLA:CPU profiler trace.
 
     python bench/profile_step.py               # BENCH_CONFIG (~58M), 4 x 512, fwd+bwd; a few minutes on 2 cores
+    python bench/profile_step.py --loss chunked  # the trainers' loss (token_logprobs' fused head) instead
     python bench/profile_step.py --decode      # and one greedy decode call (8 x 64 prompt, 64 new tokens)
+    python bench/profile_step.py --miniature --loss chunked   # the miniature's policy (preset tiny, the demo
+                                               # vocabulary) at its GRPO update's batch, 32 x 256
     python bench/profile_step.py --tiny        # 2 layers (1 DeltaNet + 1 attention), hidden 64, batch 2 x 64
 
 The step is bench/model.py's ``make_train_step`` (forward + backward of the mean next-token
@@ -50,7 +53,8 @@ Categories, first match wins:
                   solves)
   attention       ... in GatedAttention.__call__ or the RoPE helpers (softmax, masks, rotary)
   norms           ... in RMSNorm / GatedRMSNorm
-  loss            ... in optax's cross-entropy or loss_fn (log-softmax over the vocab, the gather);
+  loss            ... in optax's cross-entropy, caper_jax/policy/logprobs.py (--loss chunked) or
+                  loss_fn (log-softmax over the vocab, the gather);
                   for --decode the sampler's own ops (log-softmax over the vocab, argmax)
   elementwise/other  everything else (MLP's SiLU, DeltaNet gates, embedding, residual adds, ...)
   host/runtime gaps  step wall time minus the sum of the op times: no op event running. Not all
@@ -119,6 +123,8 @@ NOT_LAYOUT = frozenset({"dot", "convolution", "reduce", "reduce-window", "gather
                         "custom-call", "select-and-scatter"})
 CONTROL_OPCODES = frozenset({"while", "conditional", "call"})
 GEMM_CUSTOM_CALL = re.compile(r"matmul|gemm|dot", re.I)
+# The demo world's tokenizer's size (the :fast reproduction's policy: 1,044,408 parameters).
+MINIATURE_VOCAB = 1445
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
@@ -280,6 +286,7 @@ def part_of(stack: list[tuple[str, str, int]]) -> tuple[str, str]:
         # loss_fn only as the op's own frame: further out it is a caller (see the module docstring).
         if (function == "Qwen35ForCausalLM.project" or "/optax/" in file
                 or file.endswith("caper_jax/models/sampler.py")
+                or file.endswith("caper_jax/policy/logprobs.py")
                 or (function == "make_train_step.<locals>.loss_fn" and depth == 0)):
             return "LM head + loss/sampling", where
         if function in LAYER_GLUE:
@@ -447,7 +454,11 @@ def dumped_modules(dump_dir: str, names: set[str]) -> dict[str, HloModule]:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, batch 2 x 64 (test)")
+    parser.add_argument("--miniature", action="store_true",
+                        help="the miniature's policy (preset tiny, demo vocabulary) at batch 32 x 256")
     parser.add_argument("--decode", action="store_true", help="also profile one greedy decode call")
+    parser.add_argument("--loss", choices=("logits", "chunked"), default="logits",
+                        help="bench/model.py's loss: full logits + optax CE, or the trainers' chunked token_logprobs")
     parser.add_argument("--steps", type=int, default=2, help="traced train steps (after one warm-up)")
     parser.add_argument("--repeats", type=int, default=3, help="untraced steps timed for comparison")
     parser.add_argument("--json", default="profile_step.json", help="where the result is written")
@@ -470,15 +481,23 @@ def main(argv: list[str] | None = None) -> dict:
 
     from bench.model import BENCH_CONFIG, make_train_step
     from caper_jax.models import Qwen35Config, Qwen35ForCausalLM
+    from caper_jax.models.presets import model_preset
     from caper_jax.models.sampler import SamplingConfig, generate
     from caper_jax.parallel.dry_run import jaxpr_matmul_flops
 
-    config = Qwen35Config(**(TINY if args.tiny else BENCH_CONFIG))
-    batch, seq = (2, 64) if args.tiny else (4, 512)
+    if args.tiny and args.miniature:
+        parser.error("--tiny and --miniature are different configs; pass one")
+    name = "tiny" if args.tiny else "miniature" if args.miniature else "bench"
+    if args.miniature:   # the GRPO update of configs/reproduce.py: 4 prompts x G = 8, 192 prompt + 64 new
+        config = model_preset("tiny", vocab_size=MINIATURE_VOCAB)
+        batch, seq = 32, 256
+    else:
+        config = Qwen35Config(**(TINY if args.tiny else BENCH_CONFIG))
+        batch, seq = (2, 64) if args.tiny else (4, 512)
     model = Qwen35ForCausalLM(config, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, config.vocab_size, (batch, seq), dtype=np.int32))
-    step, state = make_train_step(model)
+    step, state = make_train_step(model, args.loss)
     start = time.perf_counter()
     compiled = step.lower(state, ids).compile()
     compile_s = time.perf_counter() - start
@@ -502,7 +521,7 @@ def main(argv: list[str] | None = None) -> dict:
     train = reduce_trace(events, {module.name: module}, walls)
     train.update(matmul_flops=flops, compile_s=compile_s, untraced_median_s=statistics.median(untraced),
                  gemm_gflops=flops / train["categories"][GEMM]["time_s"] / 1e9 if train["categories"][GEMM]["time_s"] else None,
-                 hlo_module=module.name, hlo_path=hlo_path, batch=[batch, seq])
+                 hlo_module=module.name, hlo_path=hlo_path, batch=[batch, seq], loss=args.loss)
 
     decode = None
     if args.decode:
@@ -529,7 +548,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     load.finish()
     n_params = sum(x.size for x in jax.tree.leaves(state))
-    print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, {'tiny' if args.tiny else 'BENCH_CONFIG'} "
+    print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, {name} "
           f"{n_params / 1e6:.2f}M params, fp32, train batch {batch}x{seq}; trace in {trace_dir}")
     print(f"untraced step median {train['untraced_median_s'] * 1e3:.1f} ms ({args.repeats} runs), "
           f"compile {compile_s:.1f} s")
@@ -537,7 +556,7 @@ def main(argv: list[str] | None = None) -> dict:
     if decode:
         print_table(f"greedy decode {decode['prompts'][0]}x{decode['prompts'][1]} + {decode['new_tokens']} "
                     f"({decode['tokens_per_s']:.0f} tok/s traced)", decode, load.mark)
-    result = {"config": "tiny" if args.tiny else "bench", "jax": jax.__version__, "train": train,
+    result = {"config": name, "jax": jax.__version__, "train": train,
               "decode": decode, "load": load.as_dict(), "trace_dir": trace_dir}
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)

@@ -82,20 +82,21 @@ def _chunked_logprobs_bwd(tied, temperature, with_entropy, residuals, cotangents
         if temperature != 1.0:
             logits_ct = logits_ct / temperature
         logits_ct = logits_ct.astype(head.dtype)
-        if tied:   # logits = h @ W^T with W [V, H]
-            hidden_ct = jnp.einsum("bcv,vh->bch", logits_ct, head, preferred_element_type=jnp.float32)
-            step_grad = jnp.einsum("bcv,bch->vh", logits_ct, hidden_c, preferred_element_type=jnp.float32)
-        else:      # logits = h @ W with W [H, V]
-            hidden_ct = jnp.einsum("bcv,hv->bch", logits_ct, head, preferred_element_type=jnp.float32)
-            step_grad = jnp.einsum("bch,bcv->hv", hidden_c, logits_ct, preferred_element_type=jnp.float32)
+        equation = "bcv,vh->bch" if tied else "bcv,hv->bch"   # tied: logits = h @ W^T, W [V, H]
+        hidden_ct = jnp.einsum(equation, logits_ct, head, preferred_element_type=jnp.float32)
+        # The head's gradient as [H, V] = h^T @ dz in both layouts: the [V, H] form (dz^T @ h) made
+        # XLA:CPU write dz transposed every chunk (a strided B·C·V copy), 20-25 % of a tied
+        # miniature-policy head step (BENCHMARKS.md); transposing the [H, V] sum once is cheap.
+        step_grad = jnp.einsum("bch,bcv->hv", hidden_c, logits_ct, preferred_element_type=jnp.float32)
         return head_grad + step_grad, hidden_ct.astype(hidden_c.dtype)
 
     if not with_entropy:  # placeholders the scan can carry; chunk_backward does not read them
         entropy = entropy_ct = jnp.zeros_like(log_normaliser)
+    width, vocab = hidden.shape[-1], head.shape[0 if tied else 1]
     head_grad, hidden_ct = jax.lax.scan(
-        chunk_backward, jnp.zeros(head.shape, jnp.float32),
+        chunk_backward, jnp.zeros((width, vocab), jnp.float32),
         (hidden, targets, log_normaliser, entropy, logp_ct, entropy_ct))
-    return hidden_ct, head_grad.astype(head.dtype), None
+    return hidden_ct, (head_grad.T if tied else head_grad).astype(head.dtype), None
 
 
 _chunked_logprobs.defvjp(_chunked_logprobs_fwd, _chunked_logprobs_bwd)
