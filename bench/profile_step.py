@@ -5,6 +5,7 @@
     python bench/profile_step.py --decode      # and one greedy decode call (8 x 64 prompt, 64 new tokens)
     python bench/profile_step.py --miniature --loss chunked   # the miniature's policy (preset tiny, the demo
                                                # vocabulary) at its GRPO update's batch, 32 x 256
+    python bench/profile_step.py --miniature --loss chunked --delta_chunk 64   # its old delta-rule chunks
     python bench/profile_step.py --tiny        # 2 layers (1 DeltaNet + 1 attention), hidden 64, batch 2 x 64
 
 The step is bench/model.py's ``make_train_step`` (forward + backward of the mean next-token
@@ -456,6 +457,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, batch 2 x 64 (test)")
     parser.add_argument("--miniature", action="store_true",
                         help="the miniature's policy (preset tiny, demo vocabulary) at batch 32 x 256")
+    parser.add_argument("--delta_chunk", type=int, default=0,
+                        help="the gated delta rule's chunk length (default: the config's)")
     parser.add_argument("--decode", action="store_true", help="also profile one greedy decode call")
     parser.add_argument("--loss", choices=("logits", "chunked"), default="logits",
                         help="bench/model.py's loss: full logits + optax CE, or the trainers' chunked token_logprobs")
@@ -494,6 +497,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         config = Qwen35Config(**(TINY if args.tiny else BENCH_CONFIG))
         batch, seq = (2, 64) if args.tiny else (4, 512)
+    if args.delta_chunk:
+        config = config.replace(chunk_size=args.delta_chunk)
     model = Qwen35ForCausalLM(config, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, config.vocab_size, (batch, seq), dtype=np.int32))
@@ -549,7 +554,8 @@ def main(argv: list[str] | None = None) -> dict:
     load.finish()
     n_params = sum(x.size for x in jax.tree.leaves(state))
     print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, {name} "
-          f"{n_params / 1e6:.2f}M params, fp32, train batch {batch}x{seq}; trace in {trace_dir}")
+          f"{n_params / 1e6:.2f}M params, fp32, train batch {batch}x{seq}, delta-rule chunk {config.chunk_size}; "
+          f"trace in {trace_dir}")
     print(f"untraced step median {train['untraced_median_s'] * 1e3:.1f} ms ({args.repeats} runs), "
           f"compile {compile_s:.1f} s")
     print_table("train step (fwd+bwd, mean next-token CE)", train, load.mark, flops)

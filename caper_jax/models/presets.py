@@ -19,7 +19,11 @@ def model_preset(name: str, vocab_size: int | None = None, **runtime) -> Qwen35C
         config = Qwen35Config.tiny(
             hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=32, linear_value_head_dim=32, tie_word_embeddings=True)
+            linear_key_head_dim=32, linear_value_head_dim=32, tie_word_embeddings=True,
+            # Delta-rule chunks of 32 (not 64) for 32-wide heads: the policy's train step at the GRPO
+            # update's 32 x 256 batch, 1.11/1.19 s -> 0.94/1.02 s on 2 CPU cores (BENCHMARKS.md); the
+            # 64-wide heads of `small` are not faster at 32, so the default stays 64.
+            chunk_size=32)
     elif name == "small":
         config = Qwen35Config(
             vocab_size=32_000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
