@@ -124,8 +124,6 @@ NOT_LAYOUT = frozenset({"dot", "convolution", "reduce", "reduce-window", "gather
                         "custom-call", "select-and-scatter"})
 CONTROL_OPCODES = frozenset({"while", "conditional", "call"})
 GEMM_CUSTOM_CALL = re.compile(r"matmul|gemm|dot", re.I)
-# The demo world's tokenizer's size (the :fast reproduction's policy: 1,044,408 parameters).
-MINIATURE_VOCAB = 1445
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
@@ -454,9 +452,10 @@ def dumped_modules(dump_dir: str, names: set[str]) -> dict[str, HloModule]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, batch 2 x 64 (test)")
-    parser.add_argument("--miniature", action="store_true",
-                        help="the miniature's policy (preset tiny, demo vocabulary) at batch 32 x 256")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, batch 2 x 64 (test)")
+    which.add_argument("--miniature", action="store_true",
+                       help="the miniature's policy (preset tiny, demo vocabulary) at batch 32 x 256")
     parser.add_argument("--delta_chunk", type=int, default=0,
                         help="the gated delta rule's chunk length (default: the config's)")
     parser.add_argument("--decode", action="store_true", help="also profile one greedy decode call")
@@ -483,16 +482,15 @@ def main(argv: list[str] | None = None) -> dict:
     from flax import nnx
 
     from bench.model import BENCH_CONFIG, make_train_step
+    from caper_jax.data.tokenizer import build_demo_tokenizer
     from caper_jax.models import Qwen35Config, Qwen35ForCausalLM
     from caper_jax.models.presets import model_preset
     from caper_jax.models.sampler import SamplingConfig, generate
     from caper_jax.parallel.dry_run import jaxpr_matmul_flops
 
-    if args.tiny and args.miniature:
-        parser.error("--tiny and --miniature are different configs; pass one")
     name = "tiny" if args.tiny else "miniature" if args.miniature else "bench"
     if args.miniature:   # the GRPO update of configs/reproduce.py: 4 prompts x G = 8, 192 prompt + 64 new
-        config = model_preset("tiny", vocab_size=MINIATURE_VOCAB)
+        config = model_preset("tiny", vocab_size=len(build_demo_tokenizer()))
         batch, seq = 32, 256
     else:
         config = Qwen35Config(**(TINY if args.tiny else BENCH_CONFIG))

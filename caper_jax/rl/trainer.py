@@ -237,6 +237,7 @@ def run(config, workdir: str) -> dict:
         jax.block_until_ready(state)
         t_end = time.perf_counter()
 
+        rollout_s, update_s = t_sampled - t_start, t_end - t_prepared
         generated = float(rollout.completion_mask.sum())
         updated_tokens = float(rollout.attention_mask.sum()) * config.rl.update_epochs
         return state, {"updates": updates, "unit_stats": unit_stats, "rollout": {
@@ -245,13 +246,13 @@ def run(config, workdir: str) -> dict:
             "rollout/parse_rate": float(rollout.parse_ok.mean()),
             "rollout/exec_rate": float(rollout.executed.mean()),
             "rollout/completion_len": generated / len(rollout.texts),
-            "perf/rollout_s": t_sampled - t_start,
-            "perf/rollout_tokens_per_s": generated / max(t_sampled - t_start, 1e-9),
+            "perf/rollout_s": rollout_s,
+            "perf/rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
             "perf/score_s": t_scored - t_sampled,
             "perf/prm_s": t_prm - t_scored,
             "perf/reference_s": t_prepared - t_prm,
-            "perf/update_s": t_end - t_prepared,
-            "perf/update_tokens_per_s": updated_tokens / max(t_end - t_prepared, 1e-9),
+            "perf/update_s": update_s,
+            "perf/update_tokens_per_s": updated_tokens / max(update_s, 1e-9),
             "perf/step_s": t_end - t_start}}
 
     def summarize(fetched, _):
