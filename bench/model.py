@@ -1,6 +1,8 @@
 """caper_jax vs transformers (PyTorch) on CPU: LM train step and greedy decoding, same weights.
 
-One process, one run, so every figure shares the machine state. The model is the ~58M-parameter
+One run, two processes: JAX in this one, PyTorch in bench/_torch_worker.py (each library keeps a heap
+of its own: in one shared process a JAX step right after a PyTorch step ran ~1.3x slower, see
+BENCHMARKS.md), driven in lockstep so that every figure shares the machine state. The model is the ~58M-parameter
 Qwen3.5-architecture config of ENV.md (hidden 512, 8 layers = 2 groups of 3 DeltaNet + 1 attention,
 attention 8 q / 2 kv heads of 64, DeltaNet 4 qk / 8 v heads of 64, MLP 1408, vocab 32000), fp32.
 transformers builds it with random weights, saves it, and caper_jax loads that checkpoint via
@@ -9,8 +11,9 @@ greedy-token agreement as a check).
 
   * train: forward + backward of the mean next-token cross-entropy on a 4 × 512 batch (no optimizer
     update on either side); median wall time of ``--repeats`` runs after one warm-up (JAX: compile),
-    JAX and PyTorch runs alternating so that both see the same background load (the 2-core machine
-    is shared); process CPU seconds are printed too.
+    JAX and PyTorch alternating so that both see the same background load (the 2-core machine is
+    shared; the side not running waits on a pipe), each timed run right after an untimed one of its
+    own side (``--settle``; see ``interleaved``); each process's CPU seconds are printed too.
   * decode: greedy, batch 8, 64-token prompts, exactly ``--new_tokens`` new tokens (no stop token);
     new tokens per second.
   * roofline: an fp32 GEMM timed with both libraries; the faster rate bounds any fp32 step, and
@@ -21,7 +24,7 @@ greedy-token agreement as a check).
     recurrent states. Those bytes over the faster streaming rate (a jitted / torch sum over 512 MiB,
     far beyond the caches) are the step's floor.
 
-    python bench/model.py            # about 2-3 minutes on 2 cores
+    python bench/model.py            # about 5 minutes on 2 cores
 
 The load average is printed at start and end; a run on a machine that was not quiet (bench/_common.py:
 1-min load above half the cores at start, or above this benchmark's threads + half the cores at end)
@@ -32,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,10 +47,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import torch
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 from bench._common import median_time, start_load_check  # noqa: E402
 from caper_jax.models import Qwen35Config, from_hf  # noqa: E402
@@ -61,55 +66,98 @@ BENCH_CONFIG = dict(
 )
 
 
-def interleaved(jax_fn: Callable[[], object], torch_fn: Callable[[], object], repeats: int) -> dict[str, float]:
-    """Median wall and process-CPU seconds of each, alternating runs so both see the same load."""
+class TorchWorker:
+    """bench/_torch_worker.py in a process of its own: ``worker.call("gemm", n=2048, repeats=5)``
+    runs that method of its ``TorchSide`` there and returns the result (or raises its error here)."""
+
+    def __init__(self, threads: int):
+        child_in, to_child = os.pipe()
+        from_child, child_out = os.pipe()
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "bench._torch_worker", str(child_in), str(child_out), str(threads)],
+            pass_fds=(child_in, child_out), cwd=REPO,
+        )
+        os.close(child_in)
+        os.close(child_out)
+        self._outbox, self._inbox = os.fdopen(to_child, "wb"), os.fdopen(from_child, "rb")
+
+    def call(self, command: str, **kwargs):
+        pickle.dump((command, kwargs), self._outbox)
+        self._outbox.flush()
+        try:
+            status, value = pickle.load(self._inbox)
+        except EOFError:
+            raise RuntimeError(f"the PyTorch worker exited (code {self._process.wait()}) during {command!r}") from None
+        if status == "error":
+            raise RuntimeError(f"the PyTorch worker failed in {command!r}:\n{value}")
+        return value
+
+    def close(self) -> None:
+        try:
+            pickle.dump(("stop", {}), self._outbox)
+            self._outbox.close()
+        except BrokenPipeError:
+            pass
+        self._inbox.close()
+        self._process.wait(timeout=60)
+
+    def __enter__(self) -> "TorchWorker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def interleaved(jax_fn: Callable[[], object], torch_step: Callable[[], tuple[float, float]],
+                repeats: int, settle: int = 1) -> dict[str, float]:
+    """Median wall and process-CPU seconds of each side, alternating so both see the same load.
+    ``torch_step`` runs one step in the worker and returns its own (wall, CPU) seconds.
+
+    Each timed run follows ``settle`` untimed runs of its own side, as in a training loop: on the
+    VMs measured here, the first step after the other library's step pays 2-3x the system time for
+    the same page faults (the pages the other side just freed; BENCHMARKS.md), which neither library
+    pays when it runs alone."""
     samples: dict[str, list[float]] = {"jax_s": [], "torch_s": [], "jax_cpu_s": [], "torch_cpu_s": []}
     for _ in range(repeats):
-        for name, fn in (("jax", jax_fn), ("torch", torch_fn)):
-            wall, cpu = time.perf_counter(), time.process_time()
-            fn()
-            samples[f"{name}_s"].append(time.perf_counter() - wall)
-            samples[f"{name}_cpu_s"].append(time.process_time() - cpu)
+        for _ in range(settle):
+            jax_fn()
+        wall, cpu = time.perf_counter(), time.process_time()
+        jax_fn()
+        samples["jax_s"].append(time.perf_counter() - wall)
+        samples["jax_cpu_s"].append(time.process_time() - cpu)
+        for _ in range(settle):
+            torch_step()
+        torch_wall, torch_cpu = torch_step()
+        samples["torch_s"].append(torch_wall)
+        samples["torch_cpu_s"].append(torch_cpu)
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def gemm_rate(n: int, repeats: int) -> dict[str, float]:
+def gemm_rate(worker: TorchWorker, n: int, repeats: int) -> dict[str, float]:
     """fp32 GFLOP/s of an n×n×n matmul in JAX and in PyTorch."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     matmul = jax.jit(jnp.matmul)
     matmul(a, a).block_until_ready()
     jax_s = median_time(lambda: matmul(a, a).block_until_ready(), repeats)
-    t = torch.randn(n, n)
-    torch.matmul(t, t)
-    torch_s = median_time(lambda: torch.matmul(t, t), repeats)
-    flops = 2.0 * n**3
-    return {"jax": flops / jax_s / 1e9, "torch": flops / torch_s / 1e9}
+    return {"jax": 2.0 * n**3 / jax_s / 1e9, "torch": worker.call("gemm", n=n, repeats=repeats)}
 
 
-def stream_rate(nbytes: int, repeats: int) -> dict[str, float]:
+def stream_rate(worker: TorchWorker, nbytes: int, repeats: int) -> dict[str, float]:
     """GB/s of reading an fp32 array of ``nbytes`` once (its sum) in JAX and in PyTorch."""
-    n = nbytes // 4
-    x = jnp.ones((n,), jnp.float32)
+    x = jnp.ones((nbytes // 4,), jnp.float32)
     total = jax.jit(jnp.sum)
     total(x).block_until_ready()
     jax_s = median_time(lambda: total(x).block_until_ready(), repeats)
-    t = torch.ones(n)
-    t.sum()
-    torch_s = median_time(lambda: t.sum(), repeats)
-    return {"jax": nbytes / jax_s / 1e9, "torch": nbytes / torch_s / 1e9}
+    return {"jax": nbytes / jax_s / 1e9, "torch": worker.call("stream", nbytes=nbytes, repeats=repeats)}
 
 
-def gemv_rate(batch: int, k: int, n: int, repeats: int) -> dict[str, float]:
+def gemv_rate(worker: TorchWorker, batch: int, k: int, n: int, repeats: int) -> dict[str, float]:
     """GB/s of weights read by a [batch, k] x [k, n] fp32 matmul (a decode step's shape) in JAX and PyTorch."""
     x, w = jnp.ones((batch, k), jnp.float32), jnp.ones((k, n), jnp.float32)
     matmul = jax.jit(jnp.matmul)
     matmul(x, w).block_until_ready()
     jax_s = median_time(lambda: matmul(x, w).block_until_ready(), repeats)
-    tx, tw = torch.ones(batch, k), torch.ones(k, n)
-    torch.matmul(tx, tw)
-    torch_s = median_time(lambda: torch.matmul(tx, tw), repeats)
-    nbytes = k * n * 4
-    return {"jax": nbytes / jax_s / 1e9, "torch": nbytes / torch_s / 1e9}
+    return {"jax": k * n * 4 / jax_s / 1e9, "torch": worker.call("gemv", batch=batch, k=k, n=n, repeats=repeats)}
 
 
 def decode_step_bytes(jax_model, batch: int, max_len: int) -> int:
@@ -128,16 +176,13 @@ def decode_step_bytes(jax_model, batch: int, max_len: int) -> int:
     return weights + read + written
 
 
-def build_models(tmp: str, seed: int):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
+def build_models(worker: TorchWorker, tmp: str, seed: int):
+    """transformers builds the model with random weights in the worker and saves it to ``tmp``;
+    caper_jax loads that checkpoint. Returns (the JAX model, the parameter count)."""
     config = Qwen35Config(**BENCH_CONFIG)
-    torch.manual_seed(seed)
-    hf_config = Qwen3_5TextConfig(**config.to_hf_dict())
-    torch_model = Qwen3_5ForCausalLM(hf_config).eval()
-    torch_model.save_pretrained(tmp)
+    n_params = worker.call("build", path=tmp, config=config.to_hf_dict(), seed=seed)
     jax_model, _ = from_hf(tmp, dtype="float32")
-    return torch_model, jax_model
+    return jax_model, n_params
 
 
 LOSSES = ("logits", "chunked")
@@ -167,7 +212,8 @@ def make_train_step(jax_model, loss: str = "logits", chunk_size: int = 128) -> t
     return jax.jit(jax.value_and_grad(loss_fn)), state
 
 
-def bench_train(torch_model, jax_model, ids: np.ndarray, repeats: int, loss: str = "logits") -> dict[str, float]:
+def bench_train(worker: TorchWorker, jax_model, ids: np.ndarray, repeats: int, loss: str = "logits",
+                settle: int = 1) -> dict[str, float]:
     step, state = make_train_step(jax_model, loss)
     ids_jax = jnp.asarray(ids)
     start = time.perf_counter()
@@ -175,25 +221,17 @@ def bench_train(torch_model, jax_model, ids: np.ndarray, repeats: int, loss: str
     compile_s = time.perf_counter() - start
     flops = jaxpr_matmul_flops(step.trace(state, ids_jax).jaxpr.jaxpr)
 
-    torch_model.train()
-    ids_torch = torch.from_numpy(ids).long()
-
-    def torch_step() -> float:
-        torch_model.zero_grad(set_to_none=True)
-        loss = torch_model(input_ids=ids_torch, labels=ids_torch).loss
-        loss.backward()
-        return float(loss.detach())
-
-    torch_loss = torch_step()
-    times = interleaved(lambda: jax.block_until_ready(step(state, ids_jax)), torch_step, repeats)
-    torch_model.eval()
+    torch_loss = worker.call("train_prepare", ids=ids)
+    times = interleaved(lambda: jax.block_until_ready(step(state, ids_jax)), lambda: worker.call("train_step"),
+                        repeats, settle)
+    worker.call("train_finish")
     return {**times, "jax_compile_s": compile_s, "matmul_flops": flops, "loss_diff": abs(float(jax_loss) - torch_loss)}
 
 
-def bench_decode(torch_model, jax_model, prompts: np.ndarray, new_tokens: int, repeats: int) -> dict[str, float]:
-    mask = np.ones_like(prompts)
+def bench_decode(worker: TorchWorker, jax_model, prompts: np.ndarray, new_tokens: int, repeats: int,
+                 settle: int = 1) -> dict[str, float]:
     config = SamplingConfig(max_new_tokens=new_tokens, temperature=0.0)
-    ids_jax, mask_jax = jnp.asarray(prompts), jnp.asarray(mask)
+    ids_jax, mask_jax = jnp.asarray(prompts), jnp.ones(prompts.shape, jnp.int32)
 
     def jax_generate():
         return jax.block_until_ready(generate(jax_model, ids_jax, mask_jax, jax.random.key(0), config))
@@ -202,20 +240,10 @@ def bench_decode(torch_model, jax_model, prompts: np.ndarray, new_tokens: int, r
     jax_out = jax_generate()
     compile_s = time.perf_counter() - start
 
-    ids_torch = torch.from_numpy(prompts).long()
-    mask_torch = torch.from_numpy(mask).long()
-
-    @torch.no_grad()
-    def torch_generate():
-        return torch_model.generate(
-            input_ids=ids_torch, attention_mask=mask_torch, max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-        )
-
-    torch_out = torch_generate()
-    times = interleaved(jax_generate, torch_generate, repeats)
+    torch_tokens = worker.call("decode_prepare", prompts=prompts, new_tokens=new_tokens)
+    times = interleaved(jax_generate, lambda: worker.call("decode"), repeats, settle)
     generated = prompts.shape[0] * new_tokens
-    agree = float(np.mean(np.asarray(jax_out.tokens) == torch_out[:, prompts.shape[1]:].numpy()))
+    agree = float(np.mean(np.asarray(jax_out.tokens) == torch_tokens))
     return {
         **times, "jax_tok_s": generated / times["jax_s"], "torch_tok_s": generated / times["torch_s"],
         "jax_compile_s": compile_s, "token_agreement": agree,
@@ -227,24 +255,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new_tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--settle", type=int, default=1,
+                        help="untimed runs of a side before each of its timed runs (0: strict alternation)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
 
     load = start_load_check(own=args.threads)   # JAX and PyTorch both keep every thread busy
-    rates = gemm_rate(2048, 5)
-    streams = stream_rate(512 * 2**20, 5)
-    # The LM head's shape at decode: the largest of a step's matrix-vector products.
-    gemvs = gemv_rate(8, BENCH_CONFIG["hidden_size"], BENCH_CONFIG["vocab_size"], 7)
-    with tempfile.TemporaryDirectory() as tmp:
-        torch_model, jax_model = build_models(tmp, seed=0)
-    n_params = sum(p.numel() for p in torch_model.parameters())
-    train_ids = rng.integers(0, BENCH_CONFIG["vocab_size"], (4, 512), dtype=np.int32)
-    train = bench_train(torch_model, jax_model, train_ids, args.repeats)
-    # The trainers' loss path on the same batch, against PyTorch again (alternating, same load).
-    chunked = bench_train(torch_model, jax_model, train_ids, args.repeats, loss="chunked")
-    prompts = rng.integers(1, BENCH_CONFIG["vocab_size"], (8, 64), dtype=np.int32)
-    decode = bench_decode(torch_model, jax_model, prompts, args.new_tokens, args.repeats)
+    with TorchWorker(args.threads) as worker:
+        torch_version = worker.call("version")
+        rates = gemm_rate(worker, 2048, 5)
+        streams = stream_rate(worker, 512 * 2**20, 5)
+        # The LM head's shape at decode: the largest of a step's matrix-vector products.
+        gemvs = gemv_rate(worker, 8, BENCH_CONFIG["hidden_size"], BENCH_CONFIG["vocab_size"], 7)
+        with tempfile.TemporaryDirectory() as tmp:
+            jax_model, n_params = build_models(worker, tmp, seed=0)
+        train_ids = rng.integers(0, BENCH_CONFIG["vocab_size"], (4, 512), dtype=np.int32)
+        train = bench_train(worker, jax_model, train_ids, args.repeats, settle=args.settle)
+        # The trainers' loss path on the same batch, against PyTorch again (alternating, same load).
+        chunked = bench_train(worker, jax_model, train_ids, args.repeats, loss="chunked", settle=args.settle)
+        prompts = rng.integers(1, BENCH_CONFIG["vocab_size"], (8, 64), dtype=np.int32)
+        decode = bench_decode(worker, jax_model, prompts, args.new_tokens, args.repeats, settle=args.settle)
 
     peak = max(rates.values())
     floor_s = train["matmul_flops"] / (peak * 1e9)
@@ -253,8 +283,9 @@ def main() -> None:
     decode_floor_tok_s = prompts.shape[0] / (step_bytes / (stream_peak * 1e9))
     load.finish()
     mark = load.mark
-    print(f"jax {jax.__version__} / torch {torch.__version__}, {args.threads} threads, "
-          f"{os.cpu_count()} CPUs, {n_params / 1e6:.1f}M params, fp32; "
+    print(f"jax {jax.__version__} / torch {torch_version}, {args.threads} threads (each process), "
+          f"{os.cpu_count()} CPUs, {n_params / 1e6:.1f}M params, fp32, {args.settle} untimed run(s) of a side "
+          f"before each timed one; "
           f"load average at start {load.start[0]:.2f}, at end {load.end[0]:.2f}")
     print(f"fp32 GEMM 2048^3: jax {rates['jax']:.0f} GFLOP/s, torch {rates['torch']:.0f} GFLOP/s")
     print(f"train 4x512 fwd+bwd: jax {train['jax_s']:.3f} s, torch {train['torch_s']:.3f} s, "
