@@ -131,29 +131,25 @@ def chunk_gated_delta_rule(
     scale = dk**-0.5 if scale is None else scale
     f32 = jnp.float32
 
+    # -> [B, H, T, D] fp32
+    q, k = (_expand_heads(x, hv).astype(f32).transpose(0, 2, 1, 3) for x in (query, key))
+    q = q * scale
+    v = value.astype(f32).transpose(0, 2, 1, 3)
+    g, beta = (x.astype(f32).transpose(0, 2, 1) for x in (g, beta))
     # Canonical segment index (0, 1, 2, ... per row), [B, T]; None when nothing is packed.
     seg = None if segment_ids is None else jnp.cumsum(segment_starts(segment_ids), axis=1)
+
     # Pad T to a multiple of C. Padded steps have k = v = 0, beta = 0, g = 0: they neither write
     # to nor decay the state, so the final state is exact. Padded segment ids repeat the last.
     pad = (-t) % c
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v))
+        g, beta = (jnp.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (g, beta))
+        if seg is not None:
+            seg = jnp.pad(seg, ((0, 0), (0, pad)), mode="edge")
     n = (t + pad) // c
-
-    # Everything below is chunk-major, [N, B, H, C, ...]: the layout the scan over chunks slices,
-    # reached with one transpose per input (and one for the output) instead of a [B, H, T, D]
-    # transpose followed by a move of every scanned operand (its backward had them all again).
-    def chunk_major(x: Array) -> Array:   # [B, T, H, ...] -> [N, B, H, C, ...] fp32
-        x = x.astype(f32)
-        if pad:
-            x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-        x = x.reshape(b, n, c, *x.shape[2:])
-        return jnp.moveaxis(x, (1, 3), (0, 2)) if x.ndim == 5 else x.transpose(1, 0, 3, 2)
-
-    q, k = (chunk_major(_expand_heads(x, hv)) for x in (query, key))
-    q = q * scale
-    v = chunk_major(value)
-    g, beta = chunk_major(g), chunk_major(beta)
-    if seg is not None and pad:
-        seg = jnp.pad(seg, ((0, 0), (0, pad)), mode="edge")
+    q, k, v = (x.reshape(b, hv, n, c, x.shape[-1]) for x in (q, k, v))
+    g, beta = (x.reshape(b, hv, n, c) for x in (g, beta))
 
     cum = jnp.cumsum(g, axis=-1)  # log decay from chunk start to position i (inclusive)
     causal = jnp.tril(jnp.ones((c, c), dtype=bool))
@@ -163,14 +159,14 @@ def chunk_gated_delta_rule(
         carry = jnp.ones((1, 1, 1, c), dtype=bool)       # position i still sees the carried state
         last_same = jnp.ones((1, 1, 1, c), dtype=bool)   # position j is in the chunk's last segment
     else:
-        sc = seg.reshape(b, n, c).transpose(1, 0, 2)[:, :, None, :]           # [N, B, 1, C]
+        sc = seg.reshape(b, 1, n, c)
         first = jnp.concatenate([seg[:, :1], seg[:, c - 1 : -1 : c]], axis=1)  # segment before each chunk
-        same = causal & (sc[..., :, None] == sc[..., None, :])            # [N, B, 1, C, C]
-        carry = sc == first.T.reshape(n, b, 1, 1)
+        same = causal & (sc[..., :, None] == sc[..., None, :])            # [B, 1, N, C, C]
+        carry = sc == first.reshape(b, 1, n, 1)
         last_same = sc == sc[..., -1:]
     # Mask before exp: the upper triangle would overflow (cum_i - cum_j > 0 for j > i).
     diff = cum[..., :, None] - cum[..., None, :]
-    decay = jnp.where(same, jnp.exp(jnp.where(same, diff, 0.0)), 0.0)   # [N, B, H, C, C]
+    decay = jnp.where(same, jnp.exp(jnp.where(same, diff, 0.0)), 0.0)   # [B, H, N, C, C]
 
     k_beta = k * beta[..., None]
     mm = _mm
@@ -180,10 +176,10 @@ def chunk_gated_delta_rule(
     solved = solve_unit_lower(lower, rhs)
     u, w = solved[..., :dv], solved[..., dv:]
 
-    intra = mm(q, jnp.swapaxes(k, -1, -2)) * decay                       # [N, B, H, C, C]
+    intra = mm(q, jnp.swapaxes(k, -1, -2)) * decay                       # [B, H, N, C, C]
     q_decayed = q * (jnp.exp(cum) * carry)[..., None]
     k_decayed = k * (jnp.exp(cum[..., -1:] - cum) * last_same)[..., None]
-    state_decay = (jnp.exp(cum[..., -1]) * carry[..., -1])[..., None, None]  # [N, B, H, 1, 1]
+    state_decay = (jnp.exp(cum[..., -1]) * carry[..., -1])[..., None, None]  # [B, H, N, 1, 1]
 
     def step(state: Array, xs: tuple[Array, ...]) -> tuple[Array, Array]:
         u_i, w_i, q_i, k_i, attn_i, decay_i = xs
@@ -193,9 +189,11 @@ def chunk_gated_delta_rule(
         return state, out
 
     state0 = jnp.zeros((b, hv, dk, dv), f32) if initial_state is None else initial_state.astype(f32)
-    final_state, out = jax.lax.scan(step, state0, (u, w, q_decayed, k_decayed, intra, state_decay))
-    out = jnp.moveaxis(out, (0, 2), (1, 3)).reshape(b, n * c, hv, dv)[:, :t]   # [N, B, H, C, Dv] -> [B, T, H, Dv]
-    return out.astype(out_dtype), final_state
+    chunk_major = lambda x: jnp.moveaxis(x, 2, 0)
+    xs = tuple(map(chunk_major, (u, w, q_decayed, k_decayed, intra, state_decay)))
+    final_state, out = jax.lax.scan(step, state0, xs)
+    out = jnp.moveaxis(out, 0, 2).reshape(b, hv, n * c, dv)[:, :, :t]
+    return out.transpose(0, 2, 1, 3).astype(out_dtype), final_state
 
 
 def gated_delta_step(
