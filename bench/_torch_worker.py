@@ -1,10 +1,11 @@
 """bench/model.py's PyTorch side, in a process of its own (it never imports JAX).
 
-Why a second process: in one process, a JAX step that directly follows a PyTorch step was measured
-~1.3× slower than one that follows a JAX step (bench config, chunked loss: 5.5-5.7 s against
-4.1-4.5 s), with the same ~570,000 minor page faults but 2.5× their system time; a 2 s pause in
-between did not help (BENCHMARKS.md). Each library now keeps its own heap, and the parent still
-alternates the two sides' runs so that both see the same machine.
+Why a second process: the JAX side should run as a trainer does, in a process that never imported
+PyTorch and whose heap only JAX uses. (The one-process bench's JAX steps were slower than a JAX-only
+process's for another reason, which a second process alone does not remove: the first step after
+the other library's step pays 2-3x the system time for the same page faults; bench/model.py's
+``interleaved`` times each side after an untimed run of its own. BENCHMARKS.md has the figures.)
+The parent alternates the two sides' runs so that both see the same machine.
 
 Protocol: the parent writes pickled ``(command, kwargs)`` to this process's input pipe and reads one
 pickled ``("ok", result)`` or ``("error", traceback)`` per command. Every timed command times itself

@@ -1,8 +1,8 @@
 """caper_jax vs transformers (PyTorch) on CPU: LM train step and greedy decoding, same weights.
 
-One run, two processes: JAX in this one, PyTorch in bench/_torch_worker.py (each library keeps a heap
-of its own: in one shared process a JAX step right after a PyTorch step ran ~1.3x slower, see
-BENCHMARKS.md), driven in lockstep so that every figure shares the machine state. The model is the ~58M-parameter
+One run, two processes: JAX in this one, PyTorch in bench/_torch_worker.py (so the JAX side runs as a
+trainer does, in a process that never imported PyTorch), driven in lockstep so that every figure
+shares the machine state. The model is the ~58M-parameter
 Qwen3.5-architecture config of ENV.md (hidden 512, 8 layers = 2 groups of 3 DeltaNet + 1 attention,
 attention 8 q / 2 kv heads of 64, DeltaNet 4 qk / 8 v heads of 64, MLP 1408, vocab 32000), fp32.
 transformers builds it with random weights, saves it, and caper_jax loads that checkpoint via
