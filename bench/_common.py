@@ -99,3 +99,10 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def wall_and_cpu_s(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one call of ``fn`` (which must block until done)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu

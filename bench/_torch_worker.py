@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import os
 import pickle
-import statistics
 import sys
-import time
 import traceback
 
 import numpy as np
 import torch
+
+from bench._common import median_time, wall_and_cpu_s
 
 
 class TorchSide:
@@ -49,17 +49,17 @@ class TorchSide:
     def gemm(self, n: int, repeats: int) -> float:
         t = torch.randn(n, n)
         torch.matmul(t, t)
-        return 2.0 * n**3 / _median_s(lambda: torch.matmul(t, t), repeats) / 1e9
+        return 2.0 * n**3 / median_time(lambda: torch.matmul(t, t), repeats) / 1e9
 
     def stream(self, nbytes: int, repeats: int) -> float:
         t = torch.ones(nbytes // 4)
         t.sum()
-        return nbytes / _median_s(t.sum, repeats) / 1e9
+        return nbytes / median_time(t.sum, repeats) / 1e9
 
     def gemv(self, batch: int, k: int, n: int, repeats: int) -> float:
         x, w = torch.ones(batch, k), torch.ones(k, n)
         torch.matmul(x, w)
-        return k * n * 4 / _median_s(lambda: torch.matmul(x, w), repeats) / 1e9
+        return k * n * 4 / median_time(lambda: torch.matmul(x, w), repeats) / 1e9
 
     def train_prepare(self, ids: np.ndarray) -> float:
         """Puts the model in train mode for ``ids``; runs (and returns the loss of) one warm-up step."""
@@ -68,7 +68,7 @@ class TorchSide:
         return self._train_step()
 
     def train_step(self) -> tuple[float, float]:
-        return _timed(self._train_step)
+        return wall_and_cpu_s(self._train_step)
 
     def train_finish(self) -> None:
         self.model.eval()
@@ -89,27 +89,11 @@ class TorchSide:
         return self._generate()[:, prompts.shape[1]:].numpy()
 
     def decode(self) -> tuple[float, float]:
-        return _timed(self._generate)
+        return wall_and_cpu_s(self._generate)
 
     @torch.no_grad()
     def _generate(self):
         return self.model.generate(**self.decode_args)
-
-
-def _median_s(fn, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def _timed(fn) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of one call."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def serve(inbox, outbox) -> None:

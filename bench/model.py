@@ -52,7 +52,7 @@ from flax import nnx
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench._common import median_time, start_load_check  # noqa: E402
+from bench._common import median_time, start_load_check, wall_and_cpu_s  # noqa: E402
 from caper_jax.models import Qwen35Config, from_hf  # noqa: E402
 from caper_jax.models.sampler import SamplingConfig, generate  # noqa: E402
 from caper_jax.parallel.dry_run import jaxpr_matmul_flops  # noqa: E402
@@ -121,10 +121,9 @@ def interleaved(jax_fn: Callable[[], object], torch_step: Callable[[], tuple[flo
     for _ in range(repeats):
         for _ in range(settle):
             jax_fn()
-        wall, cpu = time.perf_counter(), time.process_time()
-        jax_fn()
-        samples["jax_s"].append(time.perf_counter() - wall)
-        samples["jax_cpu_s"].append(time.process_time() - cpu)
+        jax_wall, jax_cpu = wall_and_cpu_s(jax_fn)
+        samples["jax_s"].append(jax_wall)
+        samples["jax_cpu_s"].append(jax_cpu)
         for _ in range(settle):
             torch_step()
         torch_wall, torch_cpu = torch_step()
