@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from caper_jax.models import Qwen35Config, Qwen35ForCausalLM
-from caper_jax.models.sampler import SamplingConfig, SamplingError, generate
+from caper_jax.models.sampler import SamplingConfig, SamplingError, _categorical, first_argmax, generate
 
 MAX_NEW = 6
 # cached decode vs full forward, fp32 (chunked vs recurrent DeltaNet form): log-probs of order 10
@@ -175,3 +175,34 @@ def test_invalid_sampling_config_is_a_typed_error():
         SamplingConfig(4, top_p=0.0)
     with pytest.raises(SamplingError):
         SamplingConfig(4, temperature=-1.0)
+
+
+def test_first_argmax_is_numpy_argmax_with_ties_nans_and_infinities():
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, (64, 257)).astype(np.float32)   # few distinct values: many ties
+    x[1] = 2.0                                              # all equal
+    x[2] = -np.inf
+    x[3, [5, 9]] = np.inf
+    x[4, [7, 100]] = np.nan                                 # NaN wins over a larger number
+    x[4, 3] = 1e30
+    x[5, 256] = np.nan
+    x[6, 0] = np.nan
+    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert got[4] == 7 and got[2] == 0 and got[3] == 5
+    # batched leading axes reduce over the last one only
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x.reshape(8, 8, 257)))),
+                                  np.argmax(x, axis=-1).reshape(8, 8))
+
+
+def test_categorical_draw_is_jax_random_categorical():
+    """The sampler's Gumbel-max draw is jax.random.categorical's, sample for sample (so the PRNG
+    contract's samples did not change with the faster argmax), masked candidates included."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0.0, 2.0, (256, 300)).astype(np.float32)
+    logits[:, ::3] = -np.inf                                # filtered-out candidates
+    keys = jax.random.split(jax.random.key(3), 256)
+    ours = jax.jit(jax.vmap(_categorical))(keys, jnp.asarray(logits))
+    theirs = jax.jit(jax.vmap(jax.random.categorical))(keys, jnp.asarray(logits))
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    assert (np.asarray(ours) % 3 != 0).all()
