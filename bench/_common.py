@@ -101,6 +101,16 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def alternating_min_time(fns: dict[str, Callable[[], object]], repeats: int, rounds: int = 2) -> dict[str, float]:
+    """Per name, the best of ``rounds`` ``median_time``s of its function, the functions taking turns
+    round by round so that each sees the same load."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(median_time(fn, repeats))
+    return {name: min(values) for name, values in times.items()}
+
+
 def wall_and_cpu_s(fn: Callable[[], object]) -> tuple[float, float]:
     """(wall seconds, this process's CPU seconds) of one call of ``fn`` (which must block until done)."""
     wall, cpu = time.perf_counter(), time.process_time()

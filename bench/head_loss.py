@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import median_time, start_load_check  # noqa: E402
+from bench._common import alternating_min_time, median_time, start_load_check  # noqa: E402
 from caper_jax.policy.logprobs import token_logprobs  # noqa: E402
 
 
@@ -76,11 +76,9 @@ def main() -> None:
     jax.block_until_ready(square(a))
     gemm_rate = 2 * size**3 / median_time(lambda: jax.block_until_ready(square(a)), args.repeats)
 
-    times = {"fused": [], "autodiff": []}
-    for _ in range(2):   # alternate, so both see the same load
-        for name, fn in (("fused", fused), ("autodiff", reference)):
-            times[name].append(median_time(lambda: jax.block_until_ready(fn(hidden, head)), args.repeats))
-    fused_s, ref_s = (min(times[k]) for k in ("fused", "autodiff"))
+    best = alternating_min_time({"fused": lambda: jax.block_until_ready(fused(hidden, head)),
+                                 "autodiff": lambda: jax.block_until_ready(reference(hidden, head))}, args.repeats)
+    fused_s, ref_s = best["fused"], best["autodiff"]
     load.finish()
 
     flops = 4 * 2 * args.batch * args.length * args.hidden * args.vocab

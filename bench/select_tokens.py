@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import median_time, start_load_check  # noqa: E402
-from caper_jax.models.sampler import _categorical, first_argmax  # noqa: E402
+from bench._common import alternating_min_time, start_load_check  # noqa: E402
+from caper_jax.models.sampler import first_argmax, gumbel_categorical  # noqa: E402
 
 
 def main() -> None:
@@ -37,27 +37,25 @@ def main() -> None:
     load = start_load_check()
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((args.batch, args.vocab), np.float32))
     keys = jax.random.split(jax.random.key(0), args.batch)
-    pairs = {
-        "greedy": (jax.jit(first_argmax), jax.jit(lambda x: jnp.argmax(x, axis=-1)), (logits,)),
-        "sampled": (jax.jit(jax.vmap(_categorical)), jax.jit(jax.vmap(jax.random.categorical)), (keys, logits)),
+    pairs = {   # name: (the sampler's, its reference's name, the reference, inputs)
+        "greedy": (first_argmax, "jnp.argmax", lambda x: jnp.argmax(x, axis=-1), (logits,)),
+        "sampled": (jax.vmap(gumbel_categorical), "jax.random.categorical", jax.vmap(jax.random.categorical),
+                    (keys, logits)),
     }
     results = {}
-    for name, (ours, reference, inputs) in pairs.items():
+    for name, (ours, reference_name, reference, inputs) in pairs.items():
+        ours, reference = jax.jit(ours), jax.jit(reference)
         if not np.array_equal(np.asarray(ours(*inputs)), np.asarray(reference(*inputs))):
             raise SystemExit(f"{name}: the two choose different tokens")
-        times = {"ours": [], "reference": []}
-        for _ in range(2):   # alternate, so both see the same load
-            for side, fn in (("ours", ours), ("reference", reference)):
-                times[side].append(median_time(lambda: jax.block_until_ready(fn(*inputs)), args.repeats))
-        results[name] = (min(times["ours"]), min(times["reference"]))
+        best = alternating_min_time({"ours": lambda: jax.block_until_ready(ours(*inputs)),
+                                     "reference": lambda: jax.block_until_ready(reference(*inputs))}, args.repeats)
+        results[name] = (reference_name, best["ours"], best["reference"])
     load.finish()
 
     print(f"token choice on [{args.batch}, {args.vocab}] fp32 logits, median of {args.repeats}; same tokens on both sides")
-    for name, (ours_s, reference_s) in results.items():
-        reference_name = "jnp.argmax" if name == "greedy" else "jax.random.categorical"
+    for name, (reference_name, ours_s, reference_s) in results.items():
         print(f"{name}: sampler {ours_s * 1e3:.3f} ms, {reference_name} {reference_s * 1e3:.3f} ms; "
               + load.mark(f"speed-up {reference_s / ours_s:.2f}x"))
-
 
 if __name__ == "__main__":
     main()

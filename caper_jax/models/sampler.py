@@ -110,7 +110,7 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.where(first < 0, first + vocab, first)
 
 
-def _categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+def gumbel_categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     """``jax.random.categorical(key, logits)`` for one row [V]: the same Gumbel-max draw (same
     noise, so the same samples), its argmax by ``first_argmax``."""
     return first_argmax(logits + jax.random.gumbel(key, logits.shape, logits.dtype))
@@ -127,7 +127,7 @@ def select_tokens(
     else:
         candidates, ids = _filtered_logits(logits, config)
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, step)
-        choice = jax.vmap(_categorical)(step_keys, candidates)
+        choice = jax.vmap(gumbel_categorical)(step_keys, candidates)
         tokens = choice if ids is None else jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
         log_probs = jax.nn.log_softmax(logits / config.temperature, axis=-1)
     tokens = tokens.astype(jnp.int32)

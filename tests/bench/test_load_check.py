@@ -35,3 +35,13 @@ def test_start_and_finish_read_the_real_load_average():
     check.finish()
     assert len(lines) == 2 and lines[0].startswith("load average at start:") and "machine was" in lines[1]
     assert check.as_dict()["load_end"] is not None and check.as_dict()["loaded"] == check.loaded
+
+
+def test_alternating_min_time_takes_turns_and_keeps_each_best(monkeypatch):
+    calls = []
+    medians = iter([3.0, 5.0, 2.0, 6.0])      # ours, reference, ours, reference
+    monkeypatch.setattr(_common, "median_time", lambda fn, repeats: (fn(), next(medians))[1])
+    best = _common.alternating_min_time({"ours": lambda: calls.append("ours"),
+                                         "reference": lambda: calls.append("reference")}, repeats=7)
+    assert calls == ["ours", "reference", "ours", "reference"]
+    assert best == {"ours": 2.0, "reference": 5.0}

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from caper_jax.models import Qwen35Config, Qwen35ForCausalLM
-from caper_jax.models.sampler import SamplingConfig, SamplingError, _categorical, first_argmax, generate
+from caper_jax.models.sampler import SamplingConfig, SamplingError, first_argmax, generate, gumbel_categorical
 
 MAX_NEW = 6
 # cached decode vs full forward, fp32 (chunked vs recurrent DeltaNet form): log-probs of order 10
@@ -202,7 +202,7 @@ def test_categorical_draw_is_jax_random_categorical():
     logits = rng.normal(0.0, 2.0, (256, 300)).astype(np.float32)
     logits[:, ::3] = -np.inf                                # filtered-out candidates
     keys = jax.random.split(jax.random.key(3), 256)
-    ours = jax.jit(jax.vmap(_categorical))(keys, jnp.asarray(logits))
+    ours = jax.jit(jax.vmap(gumbel_categorical))(keys, jnp.asarray(logits))
     theirs = jax.jit(jax.vmap(jax.random.categorical))(keys, jnp.asarray(logits))
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
     assert (np.asarray(ours) % 3 != 0).all()
