@@ -7,6 +7,12 @@ backward is written by hand (a ``custom_vjp`` over all chunks): it recomputes ea
 instead of saving them, forms their cotangent in closed form and accumulates the head's gradient
 chunk by chunk. Peak extra memory is then a few ``B · chunk_size · V`` fp32 buffers.
 
+Where the whole fp32 logits are small (at most ``keep_logits_bytes``, 1 GiB by default: a small
+vocabulary, or a short batch), the forward keeps each chunk's logits for the backward instead, which
+then skips one of the head's four GEMMs (a quarter of its FLOPs; the trainers' step on the 32k-vocab
+bench config 8 % faster, BENCHMARKS.md). The 9B model's 248k vocabulary is far above the bound and
+recomputes; the bound is on the global (unsharded) logits, so a sharded batch keeps less per device.
+
 Chunks run along the sequence axis, not the flattened ``B·T`` axis, so a batch sharded over the
 ``data`` axis stays sharded inside each chunk. The head matmul accumulates in fp32
 (``preferred_element_type``) whatever the parameter dtype; the log-sum-exp is fp32.
@@ -35,10 +41,8 @@ def _chunk_logits(hidden: Array, head: Array, tied: bool, temperature: float) ->
     return logits / temperature if temperature != 1.0 else logits
 
 
-def _chunk_forward(hidden: Array, head: Array, targets: Array, tied: bool, temperature: float,
-                   with_entropy: bool) -> tuple[Array, Array, Array | None]:
-    """(log-prob of ``targets``, log-normaliser, entropy or None) for one ``[B, C, H]`` chunk."""
-    logits = _chunk_logits(hidden, head, tied, temperature)
+def _chunk_forward(logits: Array, targets: Array, with_entropy: bool) -> tuple[Array, Array, Array | None]:
+    """(log-prob of ``targets``, log-normaliser, entropy or None) from one chunk's ``[B, C, V]`` logits."""
     log_normaliser = jax.nn.logsumexp(logits, axis=-1)
     logp = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - log_normaliser
     if not with_entropy:
@@ -52,27 +56,31 @@ def _chunk_forward(hidden: Array, head: Array, targets: Array, tied: bool, tempe
 # in closed form and feeds it straight to the two GEMMs, accumulating the head's gradient in the
 # scan's carry. On CPU that is 1.6x faster than XLA's autodiff of the same chunked function
 # (BENCHMARKS.md, "Fused head and cross-entropy"), and the residuals are what remat kept: the chunks'
-# inputs and one log-normaliser per position.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+# inputs and one log-normaliser per position, plus the chunks' logits when ``keep_logits`` (then
+# the backward reads them instead of recomputing them).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _chunked_logprobs(hidden: Array, head: Array, targets: Array, tied: bool, temperature: float,
-                      with_entropy: bool) -> tuple[Array, Array | None]:
+                      with_entropy: bool, keep_logits: bool) -> tuple[Array, Array | None]:
     """``[n, B, C]`` log-probs (and entropies) of ``[n, B, C, H]`` chunked hidden states."""
-    return _chunked_logprobs_fwd(hidden, head, targets, tied, temperature, with_entropy)[0]
+    return _chunked_logprobs_fwd(hidden, head, targets, tied, temperature, with_entropy, keep_logits)[0]
 
 
-def _chunked_logprobs_fwd(hidden, head, targets, tied, temperature, with_entropy):
-    logp, log_normaliser, entropy = jax.lax.map(
-        lambda xs: _chunk_forward(xs[0], head, xs[1], tied, temperature, with_entropy), (hidden, targets))
-    return (logp, entropy), (hidden, head, targets, log_normaliser, entropy)
+def _chunked_logprobs_fwd(hidden, head, targets, tied, temperature, with_entropy, keep_logits):
+    def chunk(xs):
+        logits = _chunk_logits(xs[0], head, tied, temperature)
+        return (*_chunk_forward(logits, xs[1], with_entropy), logits if keep_logits else None)
+
+    logp, log_normaliser, entropy, logits = jax.lax.map(chunk, (hidden, targets))
+    return (logp, entropy), (hidden, head, targets, log_normaliser, entropy, logits)
 
 
-def _chunked_logprobs_bwd(tied, temperature, with_entropy, residuals, cotangents):
-    hidden, head, targets, log_normaliser, entropy = residuals
+def _chunked_logprobs_bwd(tied, temperature, with_entropy, keep_logits, residuals, cotangents):
+    hidden, head, targets, log_normaliser, entropy, kept_logits = residuals
     logp_ct, entropy_ct = cotangents
 
     def chunk_backward(head_grad, xs):
-        hidden_c, targets_c, log_normaliser_c, entropy_c, logp_ct_c, entropy_ct_c = xs
-        logits = _chunk_logits(hidden_c, head, tied, temperature)
+        hidden_c, targets_c, log_normaliser_c, entropy_c, logp_ct_c, entropy_ct_c, kept_c = xs
+        logits = kept_c if keep_logits else _chunk_logits(hidden_c, head, tied, temperature)
         log_probs = logits - log_normaliser_c[..., None]
         probs = jnp.exp(log_probs)
         # d log p[y] / d z = onehot(y) - p
@@ -95,14 +103,18 @@ def _chunked_logprobs_bwd(tied, temperature, with_entropy, residuals, cotangents
     width, vocab = hidden.shape[-1], head.shape[0 if tied else 1]
     head_grad, hidden_ct = jax.lax.scan(
         chunk_backward, jnp.zeros((width, vocab), jnp.float32),
-        (hidden, targets, log_normaliser, entropy, logp_ct, entropy_ct))
+        (hidden, targets, log_normaliser, entropy, logp_ct, entropy_ct, kept_logits))
     return hidden_ct, (head_grad.T if tied else head_grad).astype(head.dtype), None
 
 
 _chunked_logprobs.defvjp(_chunked_logprobs_fwd, _chunked_logprobs_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "tied", "temperature", "return_entropy"))
+KEEP_LOGITS_BYTES = 1 << 30  # token_logprobs' default bound on the fp32 logits kept for the backward
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "tied", "temperature", "return_entropy",
+                                             "keep_logits_bytes"))
 def token_logprobs(
     hidden: Array,
     lm_head_w: Array,
@@ -112,6 +124,7 @@ def token_logprobs(
     tied: bool = False,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    keep_logits_bytes: int = KEEP_LOGITS_BYTES,
 ) -> Array | tuple[Array, Array]:
     """``log softmax(hidden @ W / temperature)[targets]``, fp32 ``[B, T]``, computed chunk by chunk.
 
@@ -123,6 +136,8 @@ def token_logprobs(
       tied: ``lm_head_w`` is the ``[V, H]`` input embedding (tie_word_embeddings).
       temperature: the sampling temperature, so that log-probs match the sampling distribution.
       return_entropy: also return the ``[B, T]`` entropy of the (tempered) distribution.
+      keep_logits_bytes: keep the chunks' fp32 logits for the backward (one GEMM fewer) when all of
+        them together, padding included, take at most this many bytes; 0 always recomputes them.
     """
     if hidden.ndim != 3 or targets.shape != hidden.shape[:2]:
         raise ValueError(f"hidden {hidden.shape} must be [B, T, H] and targets {targets.shape} [B, T]")
@@ -147,7 +162,10 @@ def token_logprobs(
     hidden = hidden.reshape(batch, chunks, chunk_size, width).swapaxes(0, 1)
     targets = targets.reshape(batch, chunks, chunk_size).swapaxes(0, 1)
 
-    logp, entropy = _chunked_logprobs(hidden, lm_head_w, targets, tied, float(temperature), return_entropy)
+    vocab = lm_head_w.shape[0 if tied else 1]
+    keep_logits = chunks * batch * chunk_size * vocab * 4 <= keep_logits_bytes
+    logp, entropy = _chunked_logprobs(hidden, lm_head_w, targets, tied, float(temperature), return_entropy,
+                                      keep_logits)
 
     def unchunk(values: Array) -> Array:
         return values.swapaxes(0, 1).reshape(batch, chunks * chunk_size)[:, :length]

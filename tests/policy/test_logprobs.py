@@ -52,21 +52,27 @@ def test_tied_embedding_and_temperature():
     np.testing.assert_allclose(np.asarray(tied), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_gradients_match_full_softmax():
+# keep_logits_bytes: 0 recomputes each chunk's logits in the backward; the default keeps these small ones.
+KEEP, RECOMPUTE = {}, {"keep_logits_bytes": 0}
+
+
+@pytest.mark.parametrize("keep", [KEEP, RECOMPUTE], ids=["kept", "recomputed"])
+def test_gradients_match_full_softmax(keep):
     hidden, head, targets = problem(seed=2)
     weights = jax.random.normal(jax.random.key(3), targets.shape)  # a non-uniform cotangent
 
     def loss(fn):
         return lambda h, w: jnp.sum(weights * fn(h, w, targets))
 
-    chunked = jax.grad(loss(lambda h, w, y: token_logprobs(h, w, y, 4)), argnums=(0, 1))(hidden, head)
+    chunked = jax.grad(loss(lambda h, w, y: token_logprobs(h, w, y, 4, **keep)), argnums=(0, 1))(hidden, head)
     full = jax.grad(loss(naive_jax), argnums=(0, 1))(hidden, head)
     for got, want in zip(chunked, full):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("keep", [KEEP, RECOMPUTE], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_gradients_of_entropy_tied_and_tempered_match_full_softmax(tied):
+def test_gradients_of_entropy_tied_and_tempered_match_full_softmax(tied, keep):
     # The backward is hand-written (a custom VJP); autodiff of the plain full softmax is the reference
     # for both outputs' cotangents at once, with a temperature and either head layout.
     hidden, head, targets = problem(seed=5)
@@ -80,7 +86,7 @@ def test_gradients_of_entropy_tied_and_tempered_match_full_softmax(tied):
         return logp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
 
     def chunked(h, w):
-        return token_logprobs(h, w, targets, 5, tied=tied, temperature=0.7, return_entropy=True)
+        return token_logprobs(h, w, targets, 5, tied=tied, temperature=0.7, return_entropy=True, **keep)
 
     def loss(fn):
         return lambda h, w: jnp.sum(w_logp * fn(h, w)[0] + w_entropy * fn(h, w)[1])
@@ -92,9 +98,10 @@ def test_gradients_of_entropy_tied_and_tempered_match_full_softmax(tied):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
-def test_bf16_gradients_keep_the_input_dtypes():
+@pytest.mark.parametrize("keep", [KEEP, RECOMPUTE], ids=["kept", "recomputed"])
+def test_bf16_gradients_keep_the_input_dtypes(keep):
     hidden, head, targets = problem(seed=7, h=64, dtype=jnp.bfloat16)
-    grads = jax.grad(lambda h, w: token_logprobs(h, w, targets, 8).sum(), argnums=(0, 1))(hidden, head)
+    grads = jax.grad(lambda h, w: token_logprobs(h, w, targets, 8, **keep).sum(), argnums=(0, 1))(hidden, head)
     assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.bfloat16]
     ref = jax.grad(lambda h, w: naive_jax(h, w, targets).sum(), argnums=(0, 1))(
         hidden.astype(jnp.float32), head.astype(jnp.float32))
@@ -124,14 +131,31 @@ def test_backward_memory_is_chunked():
 
     full_logits = b * t * v * 4
     naive = temp_bytes(naive_jax)
-    chunked = temp_bytes(lambda x, w, y: token_logprobs(x, w, y, 32))
+    # Just below the bound the logits are recomputed; at it, kept (the bound counts every byte).
+    chunked = temp_bytes(lambda x, w, y: token_logprobs(x, w, y, 32, keep_logits_bytes=full_logits - 1))
+    kept = temp_bytes(lambda x, w, y: token_logprobs(x, w, y, 32, keep_logits_bytes=full_logits))
     assert naive >= full_logits
     assert chunked < full_logits / 2
     assert chunked < naive / 4
+    assert kept >= full_logits
     # And the forward jaxpr never holds a [B, T, V] value: the largest logits are one chunk's.
-    jaxpr = jax.make_jaxpr(lambda x, w, y: token_logprobs(x, w, y, 32))(hidden, head, targets)
+    jaxpr = jax.make_jaxpr(lambda x, w, y: token_logprobs(x, w, y, 32, keep_logits_bytes=0))(hidden, head, targets)
     shapes = [var.aval.shape for eqn in _all_eqns(jaxpr.jaxpr) for var in eqn.outvars]
     assert (b, t, v) not in shapes and (b, 32, v) in shapes
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_kept_logits_save_one_head_gemm(tied):
+    # Forward + backward of the head: 3 GEMMs with the logits kept (forward, input and weight
+    # gradients), 4 when the backward recomputes them; the default bound keeps these small logits.
+    hidden, head, targets = problem(seed=8)
+    head = head.T if tied else head
+
+    def dots(**keep):
+        grad = jax.grad(lambda x, w: token_logprobs(x, w, targets, 5, tied=tied, **keep).sum(), argnums=(0, 1))
+        return sum(eqn.primitive.name == "dot_general" for eqn in _all_eqns(jax.make_jaxpr(grad)(hidden, head).jaxpr))
+
+    assert (dots(), dots(**RECOMPUTE)) == (3, 4)
 
 
 def _all_eqns(jaxpr):
