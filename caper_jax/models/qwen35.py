@@ -315,16 +315,37 @@ class Qwen35Cache:
     """Decoding state. `blocks[j]` belongs to position j of the layer period, stacked over groups:
     attention {"key", "value"}: [G, B, S, kv_heads, head_dim]; DeltaNet {"conv": [G, B, K-1, conv_dim],
     "recurrent": [G, B, v_heads, key_head_dim, value_head_dim] fp32}. `index`: next free slot (scalar);
-    `positions` [B]: next RoPE position (real tokens so far); `valid` [B, S]: slots holding real tokens."""
+    `positions` [B]: next RoPE position (real tokens so far); `valid` [B, S]: slots holding real tokens.
 
-    blocks: tuple[dict[str, Array], ...]
+    `per_group()` gives the same state with `blocks[g][j]` unstacked (the arrays without their G axis),
+    the layout `decode_step` takes with `layer_groups`: a decode loop then carries every layer's state
+    as a buffer of its own, which XLA:CPU updates in place, instead of slicing each group's state out of
+    the stacked buffer and writing it back at every token (copies of all recurrent states and caches,
+    about 15 % of a CPU decode step; BENCHMARKS.md). `stacked()` goes back."""
+
+    blocks: tuple[Any, ...]
     index: Array
     positions: Array
     valid: Array
+    grouped: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def max_len(self) -> int:
         return self.valid.shape[1]
+
+    def per_group(self) -> "Qwen35Cache":
+        if self.grouped:
+            return self
+        groups = jax.tree.leaves(self.blocks)[0].shape[0]
+        blocks = tuple(tuple(jax.tree.map(lambda x, g=g: x[g], block) for block in self.blocks)
+                       for g in range(groups))
+        return self.replace(blocks=blocks, grouped=True)
+
+    def stacked(self) -> "Qwen35Cache":
+        if not self.grouped:
+            return self
+        blocks = tuple(jax.tree.map(lambda *xs: jnp.stack(xs), *per_position) for per_position in zip(*self.blocks))
+        return self.replace(blocks=blocks, grouped=False)
 
 
 def positions_from_mask(valid: Array, segment_ids: Array | None = None) -> Array:
@@ -401,13 +422,16 @@ class Qwen35ForCausalLM(nnx.Module):
                      layer_groups: list[nnx.State] | None = None) -> tuple[Array, tuple | None]:
         graphdef, params = nnx.split(self.layers)
         if layer_groups is not None:
-            # The groups unrolled over weights cut beforehand: XLA:CPU copies a scanned layer's slice of
-            # the stacked weights out before its GEMMs, at every step of a decode loop.
-            new_caches = list(caches)
-            for g, group_params in enumerate(layer_groups):
-                for j, layer in enumerate(nnx.merge(graphdef, group_params)):
-                    h, cache = layer(h, ctx, jax.tree.map(lambda x: x[g], caches[j]))
-                    new_caches[j] = jax.tree.map(lambda full, new: full.at[g].set(new), new_caches[j], cache)
+            # The groups unrolled over weights cut beforehand, and over caches per group
+            # (`caches[g][j]`, Qwen35Cache.per_group): XLA:CPU copies a scanned layer's slice of the
+            # stacked weights out before its GEMMs, at every step of a decode loop.
+            new_caches = []
+            for group_params, group_caches in zip(layer_groups, caches, strict=True):
+                new_group = []
+                for layer, cache in zip(nnx.merge(graphdef, group_params), group_caches, strict=True):
+                    h, cache = layer(h, ctx, cache)
+                    new_group.append(cache)
+                new_caches.append(tuple(new_group))
             return h, tuple(new_caches)
 
         per_layer = self.config.remat == "layers" and caches is None
@@ -531,6 +555,10 @@ class Qwen35ForCausalLM(nnx.Module):
             )
         if t > cache.max_len:
             raise ValueError(f"{t} tokens do not fit a cache of max_len {cache.max_len}")
+        if cache.grouped != (layer_groups is not None):
+            raise ValueError("layer_groups go with a per-group cache (cache.per_group()), stacked weights "
+                             f"with a stacked one; got layer_groups={layer_groups is not None}, "
+                             f"cache.grouped={cache.grouped}")
         slots = jnp.arange(cache.max_len)
         query_slots = cache.index + jnp.arange(t)
         slot_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, valid, cache.index, axis=1)
@@ -548,7 +576,7 @@ class Qwen35ForCausalLM(nnx.Module):
         )
         h, blocks = self._layer_stack(self._embed(input_ids), ctx, cache.blocks, layer_groups)
         logits = self.project(self.norm(h[:, -1]))
-        new_cache = Qwen35Cache(
+        new_cache = cache.replace(
             blocks=blocks,
             index=cache.index + t,
             positions=cache.positions + valid.sum(axis=1, dtype=jnp.int32),
@@ -568,7 +596,8 @@ class Qwen35ForCausalLM(nnx.Module):
         """Feeds one token per row [B]; returns next-token logits [B, V] (fp32) and the cache.
 
         layer_groups: ``self.layer_groups()`` computed once outside a decode loop, so the loop's
-        steps read each group's weights in place (the same result as without).
+        steps read each group's weights in place (the same result as without); the cache must then
+        be ``cache.per_group()``, and so is the one returned.
         """
         if token_ids.ndim != 1:
             raise ValueError(f"token_ids must be [B]; got {token_ids.shape}")

@@ -6,8 +6,10 @@ Design:
     sampling config) and takes the cache *donated*, so the KV cache and DeltaNet states are updated in
     place and never copied.
   * On the CPU the decode program first cuts the stacked layer weights into one copy per group
-    (``Qwen35ForCausalLM.layer_groups``) that every step reads in place; scanning the stacked weights
-    made XLA:CPU copy each group's slice out at every token (``SamplingConfig.copy_layer_weights``).
+    (``Qwen35ForCausalLM.layer_groups``) that every step reads in place, and the cache into one
+    buffer per layer (``Qwen35Cache.per_group``) that every step updates in place; scanning the
+    stacked weights made XLA:CPU copy each group's slice out at every token, and the stacked cache
+    made it copy every state out and back (``SamplingConfig.copy_layer_weights``).
   * The loop is a ``lax.while_loop`` that exits as soon as every sequence has emitted a stop token,
     so short answers cost short time; ``max_new_tokens`` bounds it.
   * Sequences finish independently (done mask). After its stop token a sequence emits ``pad_id``
@@ -150,7 +152,9 @@ def _prefill(graphdef, state, prompt_ids, prompt_mask, *, max_len: int, cache_dt
 def _decode(graphdef, state, first_logits, cache, row_keys, *, config: SamplingConfig):
     model = nnx.merge(graphdef, state)
     # Loop-invariant inputs of the while: read in place by every step.
-    layer_groups = model.layer_groups() if on_cpu_unless(config.copy_layer_weights) else None
+    layer_groups = None
+    if on_cpu_unless(config.copy_layer_weights):
+        layer_groups, cache = model.layer_groups(), cache.per_group()
     batch = first_logits.shape[0]
     stop = jnp.asarray(config.stop_tokens or (-1,), jnp.int32)
     tokens0, log_probs0 = select_tokens(first_logits, row_keys, jnp.int32(0), config)
@@ -177,6 +181,7 @@ def _decode(graphdef, state, first_logits, cache, row_keys, *, config: SamplingC
 
     carry = (jnp.int32(1), cache, tokens0, done0, out_tokens, out_log_probs, lengths)
     _, cache, _, _, out_tokens, out_log_probs, lengths = jax.lax.while_loop(cond, body, carry)
+    cache = cache.stacked()
     # Returning the cache lets the donated input buffers alias the loop's carry (updated in place).
     return SampleOutput(out_tokens, lengths, out_log_probs), cache
 

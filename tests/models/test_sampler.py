@@ -8,6 +8,8 @@ sampler's log-probs must equal ``log_softmax`` of those logits at the sampled to
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,3 +208,53 @@ def test_categorical_draw_is_jax_random_categorical():
     theirs = jax.jit(jax.vmap(jax.random.categorical))(keys, jnp.asarray(logits))
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
     assert (np.asarray(ours) % 3 != 0).all()
+
+
+@pytest.fixture(scope="module")
+def two_group_model():
+    """The tiny architecture with 8 layers: two groups, so the cache has a real group axis."""
+    model = nnx.eval_shape(lambda: Qwen35ForCausalLM(Qwen35Config.tiny(num_hidden_layers=8), rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(1)
+    nnx.update(model, jax.tree.map(lambda x: jnp.asarray(rng.normal(0.0, 0.05, x.shape), x.dtype), nnx.state(model)))
+    return model
+
+
+def test_per_group_cache_steps_like_the_stacked_one(two_group_model, prompts):
+    model = two_group_model
+    ids, mask, _ = prompts
+    _, cache = model.prefill(ids, mask, model.init_cache(ids.shape[0], ids.shape[1] + 2))
+    grouped = cache.per_group()
+    assert grouped.grouped and len(grouped.blocks) == model.config.num_groups
+    for a, b in zip(jax.tree.leaves(grouped.stacked()), jax.tree.leaves(cache), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    token = jnp.asarray([5, 6, 7], jnp.int32)
+    # Two programs (scanned vs unrolled groups) round differently: fp32 states of order 1, a few ulps.
+    logits, stepped = model.decode_step(token, cache)
+    grouped_logits, grouped_stepped = model.decode_step(token, grouped, model.layer_groups())
+    np.testing.assert_allclose(np.asarray(grouped_logits), np.asarray(logits), rtol=1e-5, atol=1e-5)
+    assert grouped_stepped.grouped
+    for a, b in zip(jax.tree.leaves(grouped_stepped.stacked()), jax.tree.leaves(stepped), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="per-group cache"):
+        model.decode_step(token, cache, model.layer_groups())
+    with pytest.raises(ValueError, match="per-group cache"):
+        model.decode_step(token, grouped)
+
+
+def test_cpu_decode_loop_copies_no_stacked_state(two_group_model, prompts):
+    """Each step updates every layer's recurrent state and K/V cache in place: the compiled loop holds
+    no copy of a group-stacked state (before the per-group cache, XLA:CPU copied every stacked
+    recurrent state and K/V cache out and back at each token; BENCHMARKS.md)."""
+    from caper_jax.models import sampler
+
+    model = two_group_model
+    ids, mask, _ = prompts
+    graphdef, state = nnx.split(model)
+    logits, cache = sampler._prefill(graphdef, state, ids, mask, max_len=ids.shape[1] + MAX_NEW, cache_dtype="float32")
+    config = SamplingConfig(MAX_NEW, temperature=0.0, copy_layer_weights=True)
+    hlo = sampler._decode.lower(graphdef, state, logits, cache, jax.random.split(jax.random.key(0), 3),
+                                config=config).compile().as_text()
+    stacked = {",".join(map(str, x.shape)) for block in cache.blocks for x in block.values()}
+    copies = re.findall(r"= f32\[([0-9,]+)\]\{[0-9,]*\} copy\(", hlo)
+    assert copies, "expected some copies to look at (the pattern no longer matches XLA's HLO text)"
+    assert not stacked & set(copies), (stacked, copies)
