@@ -125,15 +125,17 @@ def select_tokens(
     logits = logits.astype(jnp.float32)
     if config.temperature == 0.0:
         tokens = first_argmax(logits)
-        log_probs = jax.nn.log_softmax(logits, axis=-1)
     else:
         candidates, ids = _filtered_logits(logits, config)
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, step)
         choice = jax.vmap(gumbel_categorical)(step_keys, candidates)
         tokens = choice if ids is None else jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
-        log_probs = jax.nn.log_softmax(logits / config.temperature, axis=-1)
+        logits = logits / config.temperature
     tokens = tokens.astype(jnp.int32)
-    return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+    # The sampled token's logit minus the log-normaliser, as token_logprobs computes it, rather than a
+    # whole [B, V] log_softmax written out to read B values of it.
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen - jax.nn.logsumexp(logits, axis=-1)
 
 
 def _last_logits(logits: jax.Array) -> jax.Array:
