@@ -320,8 +320,8 @@ class Qwen35Cache:
     `per_group()` gives the same state with `blocks[g][j]` unstacked (the arrays without their G axis),
     the layout `decode_step` takes with `layer_groups`: a decode loop then carries every layer's state
     as a buffer of its own, which XLA:CPU updates in place, instead of slicing each group's state out of
-    the stacked buffer and writing it back at every token (copies of all recurrent states and caches,
-    about 15 % of a CPU decode step; BENCHMARKS.md). `stacked()` goes back."""
+    the stacked buffer and writing it back at every token (copies of every recurrent state and K/V
+    cache; the bench config's decode loop 9 % faster without them, BENCHMARKS.md). `stacked()` goes back."""
 
     blocks: tuple[Any, ...]
     index: Array

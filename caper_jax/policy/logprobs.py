@@ -8,10 +8,11 @@ instead of saving them, forms their cotangent in closed form and accumulates the
 chunk by chunk. Peak extra memory is then a few ``B · chunk_size · V`` fp32 buffers.
 
 Where the whole fp32 logits are small (at most ``keep_logits_bytes``, 1 GiB by default: a small
-vocabulary, or a short batch), the forward keeps each chunk's logits for the backward instead, which
-then skips one of the head's four GEMMs (a quarter of its FLOPs: on the 32k-vocab bench config the
-head 20 % faster, the trainers' whole step 4-5 %, BENCHMARKS.md). The 9B model's 248k vocabulary is far above the bound and
-recomputes; the bound is on the global (unsharded) logits, so a sharded batch keeps less per device.
+vocabulary, or a short batch), the forward computes them as one GEMM and keeps them, and the backward
+reads them chunk by chunk instead of recomputing them: one of the head's four GEMMs fewer (on the
+32k-vocabulary bench config the head 20 % faster, the trainers' whole step 4-5 %; BENCHMARKS.md).
+The 9B model's 248k vocabulary is far above the bound and recomputes. The bound is on the global
+(unsharded) logits, so a sharded batch keeps less than it per device.
 
 Chunks run along the sequence axis, not the flattened ``B·T`` axis, so a batch sharded over the
 ``data`` axis stays sharded inside each chunk. The head matmul accumulates in fp32
