@@ -304,8 +304,10 @@ def equated_columns(tree: exp.Expression, facts: SchemaFacts) -> None:
                         column.set("table", exp.to_identifier(target[0]))
                         column.set("this", exp.to_identifier(target[1]))
         spanning = []
-        for members in sorted(classes.values()):
-            first, *rest = sorted(members)
+        # Each class sorted before the classes are: their member lists come from iterating a set,
+        # whose order follows Python's per-process string hashing (PYTHONHASHSEED), and sorting the
+        # unsorted lists ordered the ON conjuncts differently from one run to the next.
+        for first, *rest in sorted(sorted(members) for members in classes.values()):
             spanning += [exp.EQ(this=_column(first), expression=_column(m)) for m in rest]
         for join in joins:
             join.set("on", None)
