@@ -222,23 +222,26 @@ def two_group_model():
 def test_per_group_cache_steps_like_the_stacked_one(two_group_model, prompts):
     model = two_group_model
     ids, mask, _ = prompts
-    _, cache = model.prefill(ids, mask, model.init_cache(ids.shape[0], ids.shape[1] + 2))
+    graphdef, state = nnx.split(model)
+    prefill = jax.jit(lambda s, c: nnx.merge(graphdef, s).prefill(ids, mask, c))
+    step = jax.jit(lambda s, tok, c, groups: nnx.merge(graphdef, s).decode_step(tok, c, groups))
+    _, cache = prefill(state, model.init_cache(ids.shape[0], ids.shape[1] + 2))
     grouped = cache.per_group()
     assert grouped.grouped and len(grouped.blocks) == model.config.num_groups
     for a, b in zip(jax.tree.leaves(grouped.stacked()), jax.tree.leaves(cache), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     token = jnp.asarray([5, 6, 7], jnp.int32)
     # Two programs (scanned vs unrolled groups) round differently: fp32 states of order 1, a few ulps.
-    logits, stepped = model.decode_step(token, cache)
-    grouped_logits, grouped_stepped = model.decode_step(token, grouped, model.layer_groups())
+    logits, stepped = step(state, token, cache, None)
+    grouped_logits, grouped_stepped = step(state, token, grouped, model.layer_groups())
     np.testing.assert_allclose(np.asarray(grouped_logits), np.asarray(logits), rtol=1e-5, atol=1e-5)
     assert grouped_stepped.grouped
     for a, b in zip(jax.tree.leaves(grouped_stepped.stacked()), jax.tree.leaves(stepped), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="per-group cache"):
-        model.decode_step(token, cache, model.layer_groups())
+        step(state, token, cache, model.layer_groups())
     with pytest.raises(ValueError, match="per-group cache"):
-        model.decode_step(token, grouped)
+        step(state, token, grouped, None)
 
 
 def test_cpu_decode_loop_copies_no_stacked_state(two_group_model, prompts):
