@@ -102,5 +102,6 @@ def main() -> None:
     print("custom VJP keeping the logits against recomputing them: "
           + load.mark(f"speed-up {best['recomputed'] / best['kept']:.2f}x"))
 
+
 if __name__ == "__main__":
     main()
