@@ -27,9 +27,10 @@ What the trace holds on this jax (0.10.2, XLA:CPU thunk runtime), and what the r
     events (``ThunkExecutor::Execute``, threadpool bookkeeping) are runtime.
     Op events carry no metadata: no op_name, no source location.
   * So each ``hlo_op`` is looked up in the optimized HLO text of the same executable
-    (``Compiled.as_text()``; for ``--decode``, XLA's ``--xla_dump_to`` text of the sampler's two
-    modules): its opcode, the computations it calls (a fusion's body tells a dot fusion from a
-    reduce fusion — XNNPACK/YNNPACK ``ynn_fusion``s hold either), ``known_trip_count`` of whiles,
+    (``Compiled.as_text()``; for ``--decode``, XLA's ``--xla_dump_to`` text of the sampler's
+    modules: the weight cut on the CPU, the prefill, the decode loop): its opcode, the computations
+    it calls (a fusion's body tells a dot fusion from a reduce fusion — XNNPACK/YNNPACK
+    ``ynn_fusion``s hold either), ``known_trip_count`` of whiles,
     and ``metadata={op_name=... stack_frame_id=N}``. op_name is only the transformation path
     (``jit(loss_fn)/transpose(jvp())/while/body/closed_call/dot_general``), no file; the source is
     the stack frame: the module's ``FileNames`` / ``FunctionNames`` / ``FileLocations`` /
@@ -471,10 +472,10 @@ def main(argv: list[str] | None = None) -> dict:
     os.makedirs(trace_dir, exist_ok=True)
     dump_dir = os.path.join(trace_dir, "hlo_dump")
     if args.decode:
-        # The sampler's jitted prefill/decode are compiled inside generate(); XLA's dump is the only
-        # view of their optimized HLO. Must be set before the CPU client exists (first jax op).
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir}"
-                                   " --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*(prefill|decode).*")
+        # The sampler's jitted weight cut, prefill and decode are compiled inside generate(); XLA's
+        # dump is the only view of their optimized HLO. Must be set before the CPU client exists.
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir} --xla_dump_hlo_as_text"
+                                   " --xla_dump_hlo_module_re=.*(cut_layer_groups|prefill|decode).*")
 
     import jax
     import jax.numpy as jnp

@@ -413,8 +413,9 @@ class Qwen35ForCausalLM(nnx.Module):
         return self.sharding.constrain(h, ("act_batch", "act_length", "act_embed"))
 
     def layer_groups(self) -> list[nnx.State]:
-        """The stacked layer weights cut into one state per group (copies), for ``decode_step``'s
-        ``layer_groups``: sliced once before a decode loop instead of once per token (docs/model.md)."""
+        """The stacked layer weights cut into one state per group (copies), for ``prefill``'s and
+        ``decode_step``'s ``layer_groups``: sliced once per generation instead of once per token
+        (docs/model.md)."""
         _, params = nnx.split(self.layers)
         return [jax.tree.map(lambda x, g=g: x[g], params) for g in range(self.config.num_groups)]
 
@@ -584,12 +585,15 @@ class Qwen35ForCausalLM(nnx.Module):
         )
         return logits, new_cache
 
-    def prefill(self, input_ids: Array, attention_mask: Array, cache: Qwen35Cache) -> tuple[Array, Qwen35Cache]:
+    def prefill(self, input_ids: Array, attention_mask: Array, cache: Qwen35Cache,
+                layer_groups: list[nnx.State] | None = None) -> tuple[Array, Qwen35Cache]:
         """Runs LEFT-padded prompts [B, T] into the cache; returns last-position logits [B, V] (fp32).
 
         The cache must have room: cache.index + T <= max_len (not checked under jit).
+        layer_groups: as for ``decode_step`` (with a per-group cache), so that a prefill and the
+        decode loop after it read one set of per-group weights.
         """
-        return self._cached_step(input_ids, attention_mask.astype(bool), cache)
+        return self._cached_step(input_ids, attention_mask.astype(bool), cache, layer_groups)
 
     def decode_step(self, token_ids: Array, cache: Qwen35Cache,
                     layer_groups: list[nnx.State] | None = None) -> tuple[Array, Qwen35Cache]:

@@ -5,11 +5,12 @@ Design:
     length bucket; ``decode`` (the whole generation loop) compiles once per (batch, cache length,
     sampling config) and takes the cache *donated*, so the KV cache and DeltaNet states are updated in
     place and never copied.
-  * On the CPU the decode program first cuts the stacked layer weights into one copy per group
-    (``Qwen35ForCausalLM.layer_groups``) that every step reads in place, and the cache into one
-    buffer per layer (``Qwen35Cache.per_group``) that every step updates in place; scanning the
-    stacked weights made XLA:CPU copy each group's slice out at every token, and the stacked cache
-    made it copy every state out and back (``SamplingConfig.copy_layer_weights``).
+  * On the CPU ``generate`` first cuts the stacked layer weights into one copy per group
+    (``Qwen35ForCausalLM.layer_groups``, a program of its own) that the prefill and every decode step
+    read in place, and the cache is one buffer per layer (``Qwen35Cache.per_group``) from the prefill
+    to the end, updated in place; scanning the stacked weights made XLA:CPU copy each group's slice
+    out at every token (and once more in the prefill), and a stacked cache made it copy every state
+    out and back (``SamplingConfig.copy_layer_weights``).
   * The loop is a ``lax.while_loop`` that exits as soon as every sequence has emitted a stop token,
     so short answers cost short time; ``max_new_tokens`` bounds it.
   * Sequences finish independently (done mask). After its stop token a sequence emits ``pad_id``
@@ -56,10 +57,10 @@ class SamplingConfig:
     stop_tokens: tuple[int, ...] = ()
     pad_id: int = 0
     cache_dtype: str = "float32"  # KV-cache dtype (the model keeps DeltaNet states in fp32)
-    # Cut the stacked layer weights into per-group copies once before the decode loop (one more copy
-    # of the layer weights while it runs) instead of XLA slicing them out at every token: None = on
-    # the CPU only, where the per-token copies were 26 % of a decode (BENCHMARKS.md); accelerators
-    # read a scanned slice in place.
+    # Cut the stacked layer weights into per-group copies once per generate() call, read in place by
+    # the prefill and the decode loop (one more copy of the layer weights while they run), instead
+    # of XLA slicing them out at every token: None = on the CPU only, where the per-token copies were
+    # 26 % of a decode (BENCHMARKS.md); accelerators read a scanned slice in place.
     copy_layer_weights: bool | None = None
 
     def __post_init__(self) -> None:
@@ -142,21 +143,33 @@ def _last_logits(logits: jax.Array) -> jax.Array:
     return logits[:, -1] if logits.ndim == 3 else logits
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _cut_layer_groups(graphdef, state) -> list[nnx.State]:
+    return nnx.merge(graphdef, state).layer_groups()
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "cache_dtype"))
-def _prefill(graphdef, state, prompt_ids, prompt_mask, *, max_len: int, cache_dtype: str):
+def _prefill(graphdef, state, prompt_ids, prompt_mask, layer_groups=None, *, max_len: int, cache_dtype: str):
+    """First-token logits and the cache; with ``layer_groups`` the cache comes out per group."""
     model = nnx.merge(graphdef, state)
     cache = model.init_cache(prompt_ids.shape[0], max_len, jnp.dtype(cache_dtype))
-    logits, cache = model.prefill(prompt_ids, prompt_mask, cache)
+    if layer_groups is not None:
+        cache = cache.per_group()
+    logits, cache = model.prefill(prompt_ids, prompt_mask, cache, layer_groups)
     return _last_logits(logits).astype(jnp.float32), cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("cache",))
-def _decode(graphdef, state, first_logits, cache, row_keys, *, config: SamplingConfig):
+def _decode(graphdef, state, first_logits, cache, row_keys, layer_groups=None, *, config: SamplingConfig):
+    """The generation loop. ``layer_groups`` (the prefill's, with its per-group cache) or, where
+    ``config.copy_layer_weights`` resolves to True, groups cut here are loop-invariant inputs of the
+    while that every step reads in place. Returns the cache in the layout it came in."""
     model = nnx.merge(graphdef, state)
-    # Loop-invariant inputs of the while: read in place by every step.
-    layer_groups = None
-    if on_cpu_unless(config.copy_layer_weights):
-        layer_groups, cache = model.layer_groups(), cache.per_group()
+    came_stacked = not cache.grouped
+    if layer_groups is None and on_cpu_unless(config.copy_layer_weights):
+        layer_groups = model.layer_groups()
+    if layer_groups is not None:
+        cache = cache.per_group()
     batch = first_logits.shape[0]
     stop = jnp.asarray(config.stop_tokens or (-1,), jnp.int32)
     tokens0, log_probs0 = select_tokens(first_logits, row_keys, jnp.int32(0), config)
@@ -183,9 +196,8 @@ def _decode(graphdef, state, first_logits, cache, row_keys, *, config: SamplingC
 
     carry = (jnp.int32(1), cache, tokens0, done0, out_tokens, out_log_probs, lengths)
     _, cache, _, _, out_tokens, out_log_probs, lengths = jax.lax.while_loop(cond, body, carry)
-    cache = cache.stacked()
     # Returning the cache lets the donated input buffers alias the loop's carry (updated in place).
-    return SampleOutput(out_tokens, lengths, out_log_probs), cache
+    return SampleOutput(out_tokens, lengths, out_log_probs), cache.stacked() if came_stacked else cache
 
 
 def generate(
@@ -209,9 +221,10 @@ def generate(
         raise SamplingError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must be equal [B, P]")
     graphdef, state = nnx.split(model)
     max_len = prompt_ids.shape[1] + config.max_new_tokens
+    layer_groups = _cut_layer_groups(graphdef, state) if on_cpu_unless(config.copy_layer_weights) else None
     first_logits, cache = _prefill(
-        graphdef, state, prompt_ids, prompt_mask, max_len=max_len, cache_dtype=config.cache_dtype
+        graphdef, state, prompt_ids, prompt_mask, layer_groups, max_len=max_len, cache_dtype=config.cache_dtype
     )
     row_keys = jax.random.split(key, prompt_ids.shape[0])
-    output, _ = _decode(graphdef, state, first_logits, cache, row_keys, config=config)
+    output, _ = _decode(graphdef, state, first_logits, cache, row_keys, layer_groups, config=config)
     return output

@@ -261,3 +261,34 @@ def test_cpu_decode_loop_copies_no_stacked_state(two_group_model, prompts):
     copies = re.findall(r"= f32\[([0-9,]+)\]\{[0-9,]*\} copy\(", hlo)
     assert copies, "expected some copies to look at (the pattern no longer matches XLA's HLO text)"
     assert not stacked & set(copies), (stacked, copies)
+
+
+def test_prefill_and_decode_share_one_cut_of_the_layer_weights(two_group_model, prompts):
+    """generate's CPU path: one program cuts the weights per group, the prefill reads them and
+    writes a per-group cache, the decode loop takes both and keeps that layout. Same logits, cache
+    and tokens as the stacked prefill followed by a decode that cuts its own groups."""
+    from caper_jax.models import sampler
+
+    model = two_group_model
+    ids, mask, _ = prompts
+    graphdef, state = nnx.split(model)
+    max_len = ids.shape[1] + MAX_NEW
+    groups = sampler._cut_layer_groups(graphdef, state)
+    assert len(groups) == model.config.num_groups == 2
+    logits, cache = sampler._prefill(graphdef, state, ids, mask, max_len=max_len, cache_dtype="float32")
+    shared_logits, shared_cache = sampler._prefill(graphdef, state, ids, mask, groups, max_len=max_len,
+                                                   cache_dtype="float32")
+    assert shared_cache.grouped and not cache.grouped
+    # Two programs (scanned vs unrolled groups) round differently: a few ulps of order-1 values.
+    np.testing.assert_allclose(np.asarray(shared_logits), np.asarray(logits), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(shared_cache.stacked()), jax.tree.leaves(cache), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+    config = SamplingConfig(MAX_NEW, temperature=0.0, copy_layer_weights=True)
+    keys = jax.random.split(jax.random.key(0), ids.shape[0])
+    own_cut, own_cache = sampler._decode(graphdef, state, logits, cache, keys, config=config)
+    shared, shared_out = sampler._decode(graphdef, state, shared_logits, shared_cache, keys, groups, config=config)
+    assert shared_out.grouped and not own_cache.grouped   # each cache leaves in the layout it came in
+    np.testing.assert_array_equal(np.asarray(shared.tokens), np.asarray(own_cut.tokens))
+    np.testing.assert_array_equal(np.asarray(generate(model, ids, mask, jax.random.key(0), config).tokens),
+                                  np.asarray(shared.tokens))
