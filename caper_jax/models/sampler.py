@@ -161,15 +161,10 @@ def _prefill(graphdef, state, prompt_ids, prompt_mask, layer_groups=None, *, max
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("cache",))
 def _decode(graphdef, state, first_logits, cache, row_keys, layer_groups=None, *, config: SamplingConfig):
-    """The generation loop. ``layer_groups`` (the prefill's, with its per-group cache) or, where
-    ``config.copy_layer_weights`` resolves to True, groups cut here are loop-invariant inputs of the
-    while that every step reads in place. Returns the cache in the layout it came in."""
+    """The generation loop. ``layer_groups`` (``_cut_layer_groups``, with the per-group cache
+    ``_prefill`` wrote from them) are loop-invariant inputs of the while that every step reads in
+    place; without them every step scans the stacked weights. Returns the cache in its layout."""
     model = nnx.merge(graphdef, state)
-    came_stacked = not cache.grouped
-    if layer_groups is None and on_cpu_unless(config.copy_layer_weights):
-        layer_groups = model.layer_groups()
-    if layer_groups is not None:
-        cache = cache.per_group()
     batch = first_logits.shape[0]
     stop = jnp.asarray(config.stop_tokens or (-1,), jnp.int32)
     tokens0, log_probs0 = select_tokens(first_logits, row_keys, jnp.int32(0), config)
@@ -197,7 +192,7 @@ def _decode(graphdef, state, first_logits, cache, row_keys, layer_groups=None, *
     carry = (jnp.int32(1), cache, tokens0, done0, out_tokens, out_log_probs, lengths)
     _, cache, _, _, out_tokens, out_log_probs, lengths = jax.lax.while_loop(cond, body, carry)
     # Returning the cache lets the donated input buffers alias the loop's carry (updated in place).
-    return SampleOutput(out_tokens, lengths, out_log_probs), cache.stacked() if came_stacked else cache
+    return SampleOutput(out_tokens, lengths, out_log_probs), cache
 
 
 def generate(

@@ -253,11 +253,13 @@ def test_cpu_decode_loop_copies_no_stacked_state(two_group_model, prompts):
     model = two_group_model
     ids, mask, _ = prompts
     graphdef, state = nnx.split(model)
-    logits, cache = sampler._prefill(graphdef, state, ids, mask, max_len=ids.shape[1] + MAX_NEW, cache_dtype="float32")
+    groups = sampler._cut_layer_groups(graphdef, state)
+    logits, cache = sampler._prefill(graphdef, state, ids, mask, groups, max_len=ids.shape[1] + MAX_NEW,
+                                     cache_dtype="float32")
     config = SamplingConfig(MAX_NEW, temperature=0.0, copy_layer_weights=True)
-    hlo = sampler._decode.lower(graphdef, state, logits, cache, jax.random.split(jax.random.key(0), 3),
+    hlo = sampler._decode.lower(graphdef, state, logits, cache, jax.random.split(jax.random.key(0), 3), groups,
                                 config=config).compile().as_text()
-    stacked = {",".join(map(str, x.shape)) for block in cache.blocks for x in block.values()}
+    stacked = {",".join(map(str, x.shape)) for block in cache.stacked().blocks for x in block.values()}
     copies = re.findall(r"= f32\[([0-9,]+)\]\{[0-9,]*\} copy\(", hlo)
     assert copies, "expected some copies to look at (the pattern no longer matches XLA's HLO text)"
     assert not stacked & set(copies), (stacked, copies)
@@ -266,7 +268,7 @@ def test_cpu_decode_loop_copies_no_stacked_state(two_group_model, prompts):
 def test_prefill_and_decode_share_one_cut_of_the_layer_weights(two_group_model, prompts):
     """generate's CPU path: one program cuts the weights per group, the prefill reads them and
     writes a per-group cache, the decode loop takes both and keeps that layout. Same logits, cache
-    and tokens as the stacked prefill followed by a decode that cuts its own groups."""
+    and tokens as the stacked prefill followed by the scanned decode (the accelerators' path)."""
     from caper_jax.models import sampler
 
     model = two_group_model
@@ -286,9 +288,9 @@ def test_prefill_and_decode_share_one_cut_of_the_layer_weights(two_group_model, 
 
     config = SamplingConfig(MAX_NEW, temperature=0.0, copy_layer_weights=True)
     keys = jax.random.split(jax.random.key(0), ids.shape[0])
-    own_cut, own_cache = sampler._decode(graphdef, state, logits, cache, keys, config=config)
+    scanned, scanned_cache = sampler._decode(graphdef, state, logits, cache, keys, config=config)
     shared, shared_out = sampler._decode(graphdef, state, shared_logits, shared_cache, keys, groups, config=config)
-    assert shared_out.grouped and not own_cache.grouped   # each cache leaves in the layout it came in
-    np.testing.assert_array_equal(np.asarray(shared.tokens), np.asarray(own_cut.tokens))
+    assert shared_out.grouped and not scanned_cache.grouped   # each cache leaves in the layout it came in
+    np.testing.assert_array_equal(np.asarray(shared.tokens), np.asarray(scanned.tokens))
     np.testing.assert_array_equal(np.asarray(generate(model, ids, mask, jax.random.key(0), config).tokens),
                                   np.asarray(shared.tokens))
