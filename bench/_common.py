@@ -2,6 +2,10 @@
 
 A benchmark calls ``start_load_check(own=...)`` first thing (before its imports warm the cores) and
 ``check.finish()`` when its measurements are done, then prints each ratio through ``check.mark``.
+One that times JAX on the CPU first re-executes itself as the trainers do
+(``caper_jax.utils.host_memory.reexec_with_huge_pages``: XLA:CPU's temporaries in huge pages; its child
+processes, the PyTorch worker included, inherit the setting), so that its figures are the trainers';
+the load line prints ``GLIBC_TUNABLES``, so that a reader sees which setting a figure had.
 
 The rule (issue #20): the 1-minute load average must not exceed
 
@@ -71,7 +75,8 @@ class LoadCheck:
 
     def as_dict(self) -> dict:
         return {"load_start": list(self.start), "load_end": None if self.end is None else list(self.end),
-                "load_limits": [self.start_limit, self.end_limit], "loaded": self.loaded}
+                "load_limits": [self.start_limit, self.end_limit], "loaded": self.loaded,
+                "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
 
 
 def _fmt(load: tuple[float, float, float]) -> str:
@@ -87,7 +92,8 @@ def start_load_check(own: float | None = None, *, cores: int | None = None,
     if print_fn is not None:
         print_fn(f"load average at start: {_fmt(check.start)}; {cores} cores, this benchmark keeps {own:g} busy; "
                  f"quiet when the 1-min load is <= {check.start_limit:.2f} at start and <= {check.end_limit:.2f} "
-                 "at end (bench/_common.py)")
+                 "at end (bench/_common.py); GLIBC_TUNABLES="
+                 f"{os.environ.get('GLIBC_TUNABLES', '')!r} (caper_jax/utils/host_memory.py)")
     return check
 
 

@@ -570,4 +570,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    from caper_jax.utils.host_memory import reexec_with_huge_pages
+
+    reexec_with_huge_pages()   # XLA:CPU's temporaries in huge pages, as the trainers run (bench/_common.py)
     main()

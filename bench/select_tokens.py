@@ -58,4 +58,7 @@ def main() -> None:
               + load.mark(f"speed-up {reference_s / ours_s:.2f}x"))
 
 if __name__ == "__main__":
+    from caper_jax.utils.host_memory import reexec_with_huge_pages
+
+    reexec_with_huge_pages()   # XLA:CPU's temporaries in huge pages, as the trainers run (bench/_common.py)
     main()

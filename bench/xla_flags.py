@@ -203,4 +203,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, REPO)
+    from caper_jax.utils.host_memory import reexec_with_huge_pages
+
+    reexec_with_huge_pages()   # XLA:CPU's temporaries in huge pages, as the trainers run (bench/_common.py)
     main()

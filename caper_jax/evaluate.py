@@ -19,6 +19,11 @@ line and exit status 2, before any work.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":   # first, before any import allocates: XLA:CPU's per-call temporaries
+    from caper_jax.utils.host_memory import reexec_with_huge_pages   # in huge pages (its docstring)
+
+    reexec_with_huge_pages()
+
 import json
 import sys
 import time

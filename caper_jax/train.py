@@ -13,6 +13,11 @@ module with ``validate(config)`` (raises ValueError on a bad value, before anyth
 """
 from __future__ import annotations
 
+if __name__ == "__main__":   # first, before any import allocates: XLA:CPU's per-step temporaries
+    from caper_jax.utils.host_memory import reexec_with_huge_pages   # in huge pages (its docstring)
+
+    reexec_with_huge_pages()
+
 import difflib
 import importlib
 import logging

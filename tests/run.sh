@@ -5,6 +5,12 @@ cd "$(dirname "$0")/.."
 # The 2-process test runs alone after the rest: XLA's Gloo collectives give a peer 30 s to reach
 # the first collective, which a heavy end-to-end test on the other worker can exceed.
 SERIAL=tests/parallel/test_multiprocess.py
+# The test processes allocate as `python -m caper_jax.train` does after its re-exec: XLA:CPU's
+# per-call temporaries in transparent huge pages (caper_jax/utils/host_memory.py). Kept if already set.
+case "${GLIBC_TUNABLES:-}" in
+  *glibc.malloc.hugetlb*) ;;
+  *) export GLIBC_TUNABLES="${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.hugetlb=1" ;;
+esac
 python -m pytest -q -n 2 --dist loadfile --durations=25 tests --ignore="$SERIAL" "$@"
 rc=$?
 python -m pytest -q -p no:xdist "$SERIAL" "$@"
