@@ -6,7 +6,7 @@ the kernel maps and zeroes it 4 KiB at a fault, at every step: 275k page faults 
 time in a 0.9 s step of the miniature on 2 cores (BENCHMARKS.md, "Host memory"). With the tunable
 ``glibc.malloc.hugetlb=1`` (glibc >= 2.35) malloc marks its mmaps ``MADV_HUGEPAGE``, and where the
 kernel's transparent huge pages are in ``madvise`` mode such a block faults in 2 MiB at a time:
-about 700 faults and 0.1 s of kernel time per step, the step 0.66-0.70 s.
+about 700 faults and 0.1 s of kernel time per step, the step 0.65-0.70 s.
 
 glibc reads tunables once, when a process starts; so the command-line entry points call
 ``reexec_with_huge_pages()`` first, which re-executes the same command line once with the tunable
