@@ -72,7 +72,8 @@ def test_reexec_happens_once_with_the_command_line_intact():
 @pytest.mark.skipif(QUALIFIES is None, reason="needs Linux, glibc >= 2.35 and transparent huge pages in madvise mode")
 def test_the_tunable_makes_large_blocks_fault_in_huge_pages():
     """A 256 MiB block written once: 65,536 faults of 4 KiB without the tunable; with it, the 2 MiB
-    pages need 128 (a few more where the kernel could not find a huge page at once)."""
+    pages need 128, and the block's unaligned ends up to 1,022 of 4 KiB (639 in all here). The bound
+    leaves room for a kernel that finds no free huge page for part of the block."""
     # Straight through malloc (NumPy would madvise its own large arrays for huge pages).
     code = ("import ctypes, resource\n"
             "libc = ctypes.CDLL(None)\n"
@@ -85,4 +86,4 @@ def test_the_tunable_makes_large_blocks_fault_in_huge_pages():
     plain = int(_python(code).stdout)
     huge = int(_python(code, tunables=f"{TUNABLE}=1").stdout)
     assert plain >= 60_000, plain
-    assert huge < plain / 10, (huge, plain)
+    assert huge < plain / 4, (huge, plain)
