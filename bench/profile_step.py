@@ -13,7 +13,8 @@ cross-entropy, no optimizer update) on a randomly initialised model (the timing 
 the weights). After a warm-up call, ``--steps`` calls run under ``jax.profiler.trace(...,
 create_perfetto_trace=True)`` (Python tracer off), each timed with ``time.perf_counter`` around the
 call and ``block_until_ready``. The trace is reduced to per-category time, share of the step and
-count, plus the top 15 ops; printed, and written to ``--json``.
+count, plus the top 15 ops; printed, and written to ``--json`` (by default profile_step.json in the
+trace's folder).
 
 What the trace holds on this jax (0.10.2, XLA:CPU thunk runtime), and what the reduction relies on:
 
@@ -464,7 +465,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="bench/model.py's loss: full logits + optax CE, or the trainers' chunked token_logprobs")
     parser.add_argument("--steps", type=int, default=2, help="traced train steps (after one warm-up)")
     parser.add_argument("--repeats", type=int, default=3, help="untraced steps timed for comparison")
-    parser.add_argument("--json", default="profile_step.json", help="where the result is written")
+    parser.add_argument("--json", default="",
+                        help="where the result is written (default: profile_step.json in the trace's folder)")
     parser.add_argument("--trace_dir", default=None, help="profiler output (default: a new temp dir)")
     args = parser.parse_args(argv)
     load = start_load_check(own=os.cpu_count() or 1)   # XLA:CPU keeps every core busy
@@ -563,9 +565,10 @@ def main(argv: list[str] | None = None) -> dict:
                     f"({decode['tokens_per_s']:.0f} tok/s traced)", decode, load.mark)
     result = {"config": name, "jax": jax.__version__, "train": train,
               "decode": decode, "load": load.as_dict(), "trace_dir": trace_dir}
-    with open(args.json, "w") as f:
+    json_path = args.json or os.path.join(trace_dir, "profile_step.json")
+    with open(json_path, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"\nwritten {args.json}")
+    print(f"\nwritten {json_path}")
     return result
 
 

@@ -39,11 +39,14 @@ def executed_dot_instructions(hlo: str) -> dict[str, int]:
     return counts
 
 
-def test_tiny_profile_adds_up_and_counts_the_hlo_dots(tmp_path):
-    out = tmp_path / "profile.json"
-    result = profile_step.main(["--tiny", "--steps", "1", "--repeats", "1", "--json", str(out),
-                                "--trace_dir", str(tmp_path / "trace")])
+def test_tiny_profile_adds_up_and_counts_the_hlo_dots(tmp_path, monkeypatch):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)   # nothing may land in the working directory
+    result = profile_step.main(["--tiny", "--steps", "1", "--repeats", "1", "--trace_dir", str(tmp_path / "trace")])
+    out = tmp_path / "trace" / "profile_step.json"   # without --json the result lies beside the trace
     assert json.loads(out.read_text())["train"]["categories"] == result["train"]["categories"]
+    assert list(cwd.iterdir()) == []
     train = result["train"]
     cats = train["categories"]
     assert set(cats) == set(profile_step.CATEGORIES)
