@@ -60,9 +60,17 @@ Categories, first match wins:
                   loss_fn (log-softmax over the vocab, the gather);
                   for --decode the sampler's own ops (log-softmax over the vocab, argmax)
   elementwise/other  everything else (MLP's SiLU, DeltaNet gates, embedding, residual adds, ...)
-  host/runtime gaps  step wall time minus the sum of the op times: no op event running. Not all
-                  host overhead: the full-size step's largest gaps (0.5-1.7 s) are full of thread-pool
-                  task regions (``ThreadpoolListener::StartRegion``), pool work that no op event covers
+  host/runtime gaps  step wall time minus the sum of the op times: no op event running, less the
+                  idle time charged to plain dots (below)
+
+Plain ``dot`` thunks (the dots XLA does not hand to YNNPACK, e.g. weight gradients contracting their
+row axis) run Eigen's contraction on the intra-op thread pool, and their trace event ends when the
+work is handed over: in the 4 x 512 step an MLP weight gradient's event lasts 0.2 ms, then no op event
+runs for 28-30 ms while the pool's tasks (``ThreadpoolListener`` regions, 80 of them) and the dot's
+``end:`` marker fill the trace. So idle time inside a traced call (a ``TraceAnnotation`` around each)
+that follows the end of a plain dot's event is charged to that dot (GEMM) and printed separately;
+the part of its work that overlaps other ops' events stays with those ops, so the dots' share is
+still a lower bound.
 
 Op times: per thread only the innermost op counts (while/conditional/call thunks contain their
 bodies and are not counted themselves), and where ops run at once on several threads each gets an
@@ -125,6 +133,10 @@ LEAF_FREE = frozenset({"parameter", "constant"})
 NOT_LAYOUT = frozenset({"dot", "convolution", "reduce", "reduce-window", "gather", "scatter", "sort",
                         "custom-call", "select-and-scatter"})
 CONTROL_OPCODES = frozenset({"while", "conditional", "call"})
+# Thunks whose event ends when they hand their work to the intra-op thread pool (XLA:CPU's plain
+# dot: an Eigen contraction, run asynchronously), so idle time right after one is that work.
+POOL_FINISHED_OPCODES = frozenset({"dot"})
+CALL_EVENT = "profile_step_call"   # a TraceAnnotation around each traced call
 GEMM_CUSTOM_CALL = re.compile(r"matmul|gemm|dot", re.I)
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -339,23 +351,35 @@ def op_events(events: list[dict], modules: dict[str, HloModule]) -> list[dict]:
     return out
 
 
-def attribute(events: list[dict]) -> list[float]:
+def attribute(events: list[dict], windows: list[tuple[float, float]] = (),
+              finishes_on_pool: list[bool] | None = None) -> tuple[list[float], list[float]]:
     """Microseconds each event is charged: on each thread only the innermost running event, and time
-    when several threads run events split equally between them; the total is the union of the events."""
+    when several threads run events split equally between them; the total is the union of the events.
+
+    Plus, second list: idle time (no event running) inside one of the ``windows`` (the traced calls)
+    that follows the end of an event marked in ``finishes_on_pool`` goes to that event. XLA:CPU's
+    plain ``dot`` thunk hands Eigen's contraction to the thread pool and its event ends there: the
+    pool's tasks (``ThreadpoolListener`` regions) then fill what would read as idle time until the
+    next op starts (module docstring)."""
     points = []
     for i, e in enumerate(events):
         points.append((e["ts"] + e["dur"], 0, i))   # ends before starts at equal times
         points.append((e["ts"], 1, i))
     points.sort()
     charged = [0.0] * len(events)
+    after_end = [0.0] * len(events)
     stacks: dict[object, list[int]] = collections.defaultdict(list)
     active: set[object] = set()
-    last = None
+    last, last_ended = None, None
     for t, is_start, i in points:
-        if last is not None and active and t > last:
-            share = (t - last) / len(active)
-            for tid in active:
-                charged[stacks[tid][-1]] += share
+        if last is not None and t > last:
+            if active:
+                share = (t - last) / len(active)
+                for tid in active:
+                    charged[stacks[tid][-1]] += share
+            elif (finishes_on_pool is not None and last_ended is not None and finishes_on_pool[last_ended]
+                  and any(lo <= last and t <= hi for lo, hi in windows)):
+                after_end[last_ended] += t - last
         last = t
         tid = events[i]["tid"]
         if is_start:
@@ -363,15 +387,20 @@ def attribute(events: list[dict]) -> list[float]:
             active.add(tid)
         else:
             stacks[tid].remove(i)
+            last_ended = i
             if not stacks[tid]:
                 active.discard(tid)
-    return charged
+    return charged, after_end
 
 
 def reduce_trace(events: list[dict], modules: dict[str, HloModule], wall_s: list[float], top: int = 15) -> dict:
     """The table: per category time/share/count per step, per model part, and the top ops."""
     ops = op_events(events, modules)
-    charged = attribute(ops)
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == CALL_EVENT and e.get("ph") == "X"]
+    pool_finished = [modules[e["args"]["hlo_module"]].instrs[e["args"]["hlo_op"]].opcode in POOL_FINISHED_OPCODES
+                     for e in ops]
+    charged, after_end = attribute(ops, windows, pool_finished)
+    charged = [a + b for a, b in zip(charged, after_end)]
     steps = len(wall_s)
     wall_us = sum(wall_s) * 1e6
     cache: dict[tuple[str, str], dict] = {}
@@ -402,6 +431,7 @@ def reduce_trace(events: list[dict], modules: dict[str, HloModule], wall_s: list
     for r in rows:
         r["share"] = r["time_s"] / wall
     return {"wall_s": wall, "op_time_s": ops_us / 1e6 / steps, "steps": steps, "categories": categories,
+            "pool_after_event_s": sum(after_end) / 1e6 / steps,
             "parts": parts, "top_ops": rows[:top], "distinct_ops": len(rows), "ops": rows}
 
 
@@ -417,7 +447,8 @@ def profile_calls(fn, calls: int, log_dir: str) -> tuple[list[dict], list[float]
     with jax.profiler.trace(log_dir, create_perfetto_trace=True, profiler_options=options):
         for _ in range(calls):
             start = time.perf_counter()
-            fn()
+            with jax.profiler.TraceAnnotation(CALL_EVENT):   # the call's window in the trace's clock
+                fn()
             walls.append(time.perf_counter() - start)
     return load_trace(log_dir), walls
 
@@ -428,6 +459,9 @@ def print_table(title: str, result: dict, mark, flops: float | None = None) -> N
     print(f"  {'category':<20} {'ms':>9} {'count':>8}  share")
     for name, row in result["categories"].items():
         print(f"  {name:<20} {row['time_s'] * 1e3:9.1f} {row['count']:8.0f}  {mark(format(row['share'], '.1%'))}")
+    if result.get("pool_after_event_s"):
+        print(f"  (GEMM includes {result['pool_after_event_s'] * 1e3:.1f} ms with no op event running that followed "
+              "a plain dot's event: Eigen's pool finishing it)")
     if flops:
         gemm_s = result["categories"][GEMM]["time_s"]
         rate = f"{flops / gemm_s / 1e9:.0f} GFLOP/s" if gemm_s > 0 else "n/a"

@@ -74,3 +74,23 @@ def test_tiny_profile_adds_up_and_counts_the_hlo_dots(tmp_path, monkeypatch):
         assert cats[name]["count"] > 0, name
     assert train["matmul_flops"] > 0 and train["gemm_gflops"] > 0
     assert jax.devices()[0].platform == "cpu"
+
+
+def test_attribute_charges_idle_time_after_a_pool_finished_dot_inside_a_call():
+    # Two threads. t=0-10 a plain dot's event (thread A), then nothing until 40 (Eigen's pool finishing
+    # it), then a fusion 40-50 on A overlapping a copy 45-55 on B, then idle 55-70, then a dot 70-72,
+    # idle 72-90 (outside the call window, which ends at 80), an op 90-100 in a second window.
+    events = [
+        {"ts": 0, "dur": 10, "tid": "A"},    # 0: plain dot
+        {"ts": 40, "dur": 10, "tid": "A"},   # 1: fusion
+        {"ts": 45, "dur": 10, "tid": "B"},   # 2: copy
+        {"ts": 70, "dur": 2, "tid": "A"},    # 3: plain dot, its idle tail leaves the window at 80
+        {"ts": 90, "dur": 10, "tid": "B"},   # 4: op of the next call
+    ]
+    pool = [True, False, False, True, False]
+    windows = [(0, 80), (85, 100)]
+    charged, after_end = profile_step.attribute(events, windows, pool)
+    assert charged == [10, 5 + 2.5, 2.5 + 5, 2, 10]          # overlap 45-50 split between the two
+    assert after_end == [30, 0, 0, 0, 0]                      # 10-40 only: 55-70 follows a copy;
+    # 72-90 runs past its call's window (the host's time between calls), so no op gets it.
+    assert profile_step.attribute(events)[1] == [0] * 5      # without windows nothing is charged
