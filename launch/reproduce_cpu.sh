@@ -11,25 +11,5 @@
 # after an interruption resumes where it stopped. Extra arguments are passed on as config overrides.
 set -euo pipefail
 
-if [[ $# -lt 1 || "$1" == -* ]]; then
-  echo "usage: bash launch/reproduce_cpu.sh OUTDIR [:variant] [--config.key=value ...]" >&2
-  exit 2
-fi
-out="$1"
-shift
-# A second --config would define every override flag twice: a variant (configs/reproduce.py's :arg,
-# e.g. :seeds=3 or :fast) is passed as an argument of its own instead.
-variant=""
-if [[ $# -ge 1 && "$1" == :* ]]; then
-  variant="$1"
-  shift
-fi
-cd "$(dirname "$0")/.."
-if [[ ! -x .venv/bin/python ]]; then
-  python3.11 -m venv .venv
-  .venv/bin/pip install -q -r requirements.txt
-fi
-mkdir -p "$out"
-start=$(date +%s)
-.venv/bin/python -m caper_jax.train --config="configs/reproduce.py${variant}" --workdir="$out" "$@" 2>&1 | tee -a "$out/reproduce.log"
-echo "reproduce: $(( $(date +%s) - start )) s wall; results in $out/results.md"
+source "$(dirname "$0")/_cpu_job.sh"
+run_cpu_job "launch/reproduce_cpu.sh" configs/reproduce.py "$@"

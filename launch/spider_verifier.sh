@@ -11,24 +11,5 @@
 # results.json; the full log goes to OUTDIR/spider_verifier.log. Rerunning resumes.
 set -euo pipefail
 
-if [[ $# -lt 1 || "$1" == -* ]]; then
-  echo "usage: bash launch/spider_verifier.sh OUTDIR [:fast] [--config.key=value ...]" >&2
-  exit 2
-fi
-out="$1"
-shift
-variant=""
-if [[ $# -ge 1 && "$1" == :* ]]; then
-  variant="$1"
-  shift
-fi
-cd "$(dirname "$0")/.."
-if [[ ! -x .venv/bin/python ]]; then
-  python3.11 -m venv .venv
-  .venv/bin/pip install -q -r requirements.txt
-fi
-mkdir -p "$out"
-start=$(date +%s)
-.venv/bin/python -m caper_jax.train --config="configs/spider_verifier.py${variant}" --workdir="$out" "$@" 2>&1 \
-  | tee -a "$out/spider_verifier.log"
-echo "spider_verifier: $(( $(date +%s) - start )) s wall; results in $out/results.md"
+source "$(dirname "$0")/_cpu_job.sh"
+run_cpu_job "launch/spider_verifier.sh" configs/spider_verifier.py "$@"
