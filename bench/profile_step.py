@@ -74,8 +74,8 @@ still a lower bound.
 
 Op times: per thread only the innermost op counts (while/conditional/call thunks contain their
 bodies and are not counted themselves), and where ops run at once on several threads each gets an
-equal share of the overlap, so the op times sum to the time at least one op was running, which is
-at most the measured wall time. Shares are of the mean wall time per step, gaps included; with
+equal share of the overlap, so the op times sum to the time at least one op was running (plus the
+idle time charged to plain dots), which is at most the measured wall time. Shares are of the mean wall time per step, gaps included; with
 backward ops attributed to the forward source that JAX's transpose keeps in the metadata.
 
 A second table splits the same time by model part (gated delta rule, the rest of the DeltaNet
@@ -397,8 +397,8 @@ def reduce_trace(events: list[dict], modules: dict[str, HloModule], wall_s: list
     """The table: per category time/share/count per step, per model part, and the top ops."""
     ops = op_events(events, modules)
     windows = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == CALL_EVENT and e.get("ph") == "X"]
-    pool_finished = [modules[e["args"]["hlo_module"]].instrs[e["args"]["hlo_op"]].opcode in POOL_FINISHED_OPCODES
-                     for e in ops]
+    instrs = [modules[e["args"]["hlo_module"]].instrs.get(e["args"]["hlo_op"]) for e in ops]
+    pool_finished = [instr is not None and instr.opcode in POOL_FINISHED_OPCODES for instr in instrs]
     charged, after_end = attribute(ops, windows, pool_finished)
     charged = [a + b for a, b in zip(charged, after_end)]
     steps = len(wall_s)
