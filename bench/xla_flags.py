@@ -36,6 +36,7 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)   # caper_jax and bench, run as a script or as a child process
 
 # Without YNN's dot fusions XLA:CPU runs its dots through oneDNN's matmul (ONEDNN_VERBOSE=1 shows the
 # primitives), so this is the oneDNN-GEMM variant; `--xla_cpu_experimental_ynn_fusion_type=-dot` does
@@ -76,7 +77,6 @@ def library_fusions(hlo_text: str) -> dict[str, int]:
 
 def child(size: str, steps: int) -> dict:
     """The measurements of one flag set, in this process (whose XLA_FLAGS the parent set)."""
-    sys.path.insert(0, REPO)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -182,7 +182,6 @@ def main() -> None:
         print(json.dumps(child(args.size, args.steps)))
         return
 
-    sys.path.insert(0, REPO)
     from bench._common import start_load_check
 
     variants = [("reference", args.reference)] + (args.variant or [parse_variant(v) for v in DEFAULT_VARIANTS])
@@ -203,7 +202,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, REPO)
     from caper_jax.utils.host_memory import reexec_with_huge_pages
 
     reexec_with_huge_pages()   # XLA:CPU's temporaries in huge pages, as the trainers run (bench/_common.py)
