@@ -171,7 +171,8 @@ def main() -> None:
     if args.gemm:
         gemm = jax_gemm_gflops(args.gemm, args.repeats)
         check.finish()
-        print(f"JAX {args.gemm}^3 fp32 GEMM: {gemm:.1f} GFLOP/s = " + check.mark(f"{100 * gemm / peak:.1f} % of the FMA peak"))
+        share = check.mark(f"{100 * gemm / peak:.1f} % of the FMA peak")
+        print(f"JAX {args.gemm}^3 fp32 GEMM: {gemm:.1f} GFLOP/s = {share}")
         result.update(gemm_size=args.gemm, gemm_gflops=gemm, gemm_share=gemm / peak)
     else:
         check.finish()
