@@ -108,8 +108,10 @@ def check_vocab(what: str, model_vocab: int, tokenizer_size: int) -> None:
 
 
 def checkpoints_dir(path: str | pathlib.Path) -> pathlib.Path:
-    """``<run>/checkpoints`` for a run directory, or the path itself if it already is one."""
-    path = pathlib.Path(path)
+    """``<run>/checkpoints`` for a run directory, or the path itself if it already is one; absolute,
+    because orbax refuses to restore from a relative path and the documented commands pass
+    workdirs such as ``runs/sft_demo``."""
+    path = pathlib.Path(path).absolute()
     if not path.exists():
         raise CheckpointError(f"{path} does not exist (neither a trainer workdir nor a checkpoints directory)")
     if (path / "checkpoints").is_dir():

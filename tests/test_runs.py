@@ -87,6 +87,16 @@ def test_a_saved_run_round_trips_params_and_full_state(sft_run, mesh):
     assert bf16.model_config == arch.replace(dtype="bfloat16", remat="full")
 
 
+def test_a_run_given_by_a_relative_path_loads(sft_run, mesh, monkeypatch):
+    """The documented commands pass workdirs relative to the repo (runs/sft_demo); orbax wants absolute paths."""
+    workdir, state, _ = sft_run
+    monkeypatch.chdir(workdir.parent)
+    run = runs.load_run(workdir.name, mesh=mesh, rules=RULES, trainers=runs.POLICY_TRAINERS)
+    _assert_trees_equal(nnx.state(run.model), state.params)
+    full = runs.load_run(workdir.name, mesh=mesh, rules=RULES, what="state")
+    _assert_trees_equal(full.state, state)
+
+
 def test_partial_corrupt_and_mismatched_runs_are_one_clear_error(sft_run, mesh, tmp_path):
     workdir, state, arch = sft_run
 
