@@ -250,6 +250,11 @@ def check_dry_run(config) -> None:
     reads no HF directory), so the preset must be known even when ``model.hf_dir`` is set."""
     from caper_jax.models.presets import PRESETS
 
+    if config.trainer == "reproduce":   # no model of its own: its stages' dry runs compile theirs
+        for stage in ("sft", "prm", "grpo"):   # configs/spider_verifier.py has no grpo stage
+            if stage in config:
+                check_dry_run(config[stage])
+        return
     if config.model.preset not in PRESETS:
         raise ValueError(f"model.preset={config.model.preset!r}: a dry run compiles a preset's shapes; expected "
                          f"one of {PRESETS}")

@@ -59,3 +59,12 @@ def test_a_data_dir_without_a_layout_is_one_clear_error(tmp_path):
     assert result.returncode != 0
     assert f"error: data.dir {tmp_path / 'none'} does not exist" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_dry_run_check_accepts_the_reproduction_configs():
+    """configs/reproduce.py and spider_verifier.py have no model of their own: their stages' are checked."""
+    from caper_jax.loop import check_dry_run
+    from configs import reproduce, spider_verifier
+
+    for config in (reproduce.get_config(), reproduce.get_config("full"), spider_verifier.get_config()):
+        check_dry_run(config)
