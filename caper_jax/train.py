@@ -93,6 +93,9 @@ def workdir_problem(workdir: str) -> str | None:
     """
     from caper_jax.utils import atomic
 
+    if "://" in workdir:   # pathlib would quietly turn gs://b/x into the local folder gs:/b/x
+        return (f"--workdir={workdir}: URLs are not supported; mount the bucket (e.g. gcsfuse) and pass its "
+                "POSIX path (docs/scale.md)")
     path = pathlib.Path(workdir)
     if path.exists() and not path.is_dir():
         return f"--workdir={workdir} is a file, not a directory"

@@ -13,7 +13,7 @@ Variants (``:arg``, comma separated):
 The paper's recipe, Qwen3.5-9B on Spider/BIRD-layout data (see README "Running at scale"):
 
     python -m caper_jax.train --config=configs/prm.py:model=qwen35_9b,data=spider \
-        --config.model.hf_dir=/ckpt/Qwen3.5-9B --config.data.dir=/data/spider --workdir=gs://bucket/prm9b
+        --config.model.hf_dir=/ckpt/Qwen3.5-9B --config.data.dir=/data/spider --workdir=/gcs/BUCKET/caper/prm9b
 
 Dry run of that step on the current devices (no weights allocated):
 

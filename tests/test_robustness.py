@@ -483,3 +483,11 @@ def test_train_refuses_a_workdir_that_is_a_file_or_read_only(tmp_path):
             proc = train(workdir)
             assert proc.returncode != 0 and "cannot write in directory" in proc.stderr, proc.stderr[-2000:]
             assert "Traceback" not in proc.stderr
+
+
+def test_train_refuses_a_url_as_workdir():
+    """pathlib reads gs://bucket/run as the relative folder gs:/bucket/run: the run would land on the local
+    disk (here the repo, where run_train runs), not in the bucket."""
+    proc = train("gs://bucket/run")
+    assert proc.returncode != 0 and "URLs are not supported" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (REPO / "gs:").exists()
