@@ -60,3 +60,10 @@ def test_cli_writes_the_report_and_refuses_unfinished_runs(tmp_path, capsys):
     assert "no results.json" in capsys.readouterr().err
     with pytest.raises(ValueError, match="at least 2 runs"):
         world_seeds.read_runs(dirs[:1])
+
+    no_failures = tmp_path / "no_failures"
+    no_failures.mkdir()
+    (no_failures / "results.json").write_text(json.dumps({**fake_results(0.5, 0.2, 0.25, 0.25),
+                                                          "localization_top1": None}))
+    assert world_seeds.main(["world_seeds", dirs[0], str(no_failures)]) == 2
+    assert "no localisation figures" in capsys.readouterr().err

@@ -42,6 +42,9 @@ def read_runs(workdirs: Sequence[str | pathlib.Path]) -> list[dict]:
         for key in ("localization_top1", "baselines", "ex", "mv8", "rerank8", "oracle8"):
             if key not in results:
                 raise ValueError(f"{path}: not a reproduction's results.json (no {key!r})")
+        if results["localization_top1"] is None:   # its policy left no held-out failure to localise
+            raise ValueError(f"{path}: no localisation figures (the run had no held-out failed samples, as a "
+                             "short :fast run may not); the spread needs them")
         runs.append(results)
     if len(runs) < 2:
         raise ValueError(f"a spread needs at least 2 runs, got {len(runs)}")
