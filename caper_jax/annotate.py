@@ -65,6 +65,18 @@ def define_flags() -> None:
                         "build --beam: Beam pipeline options (default: local DirectRunner, one worker per core).")
 
 
+# Errors of a config file or of its --config.<key> overrides, raised while the flags are parsed
+# (a key typo is an AttributeError, an unknown ``:arg`` a KeyError, a bad value a ValueError).
+CONFIG_ERRORS = (flags.Error, AttributeError, KeyError, ValueError, TypeError)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl parsing; a bad flag or config override is one line and exit status 2, no traceback."""
+    if any(a == "--config" or a.startswith("--config=") for a in argv):
+        return cli.parse_flags(argv, FLAGS, errors=CONFIG_ERRORS, prefix="error: invalid annotate config")
+    return cli.parse_flags(argv, FLAGS)
+
+
 class InputError(ValueError):
     """One input line cannot be processed; the run reports it and goes on."""
 
@@ -257,6 +269,8 @@ def main(argv: list[str]) -> None:
     if len(argv) != 2 or argv[1] not in COMMANDS:
         cli.usage_error(f"usage: python -m caper_jax.annotate {{{','.join(COMMANDS)}}} [flags]")
     command = argv[1]
+    if (problem := cli.config_load_error(FLAGS.config)) is not None:
+        cli.usage_error(problem)
     if command == "build" and FLAGS.config is None:
         cli.usage_error("build needs --config=configs/annotate.py[:arg]")
     for name in ("db", "input", "output") if command != "build" else ():
@@ -264,6 +278,8 @@ def main(argv: list[str]) -> None:
             cli.usage_error(f"{command} needs --{name}")
     try:    # everything that can be refused, before any work: one line, no traceback
         settings = settings_from_config(FLAGS.config)
+        if command == "inject" and FLAGS.per_query is not None:
+            settings = dataclasses.replace(settings, per_query=FLAGS.per_query)   # checked here, not mid-run
         if command == "build":
             check_build(FLAGS.config, beam=FLAGS.beam)
         else:
@@ -277,8 +293,6 @@ def main(argv: list[str]) -> None:
         elif command == "localize":
             run_localize(FLAGS.db, FLAGS.input, FLAGS.output, settings)
         else:
-            if FLAGS.per_query is not None:
-                settings = dataclasses.replace(settings, per_query=FLAGS.per_query)
             run_inject(FLAGS.db, FLAGS.input, FLAGS.output, settings)
     except KeyboardInterrupt as error:  # Ctrl-C, inside a SQLite query too
         where = f" ({error})" if str(error) else ""
@@ -289,4 +303,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -28,6 +28,7 @@ disk for inspection (delete them by hand when done).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -123,6 +124,30 @@ def _jsonable(config: Any) -> dict[str, Any]:
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a mapping, ConfigDict or dataclass, got {type(config).__name__}")
     return json.loads(json.dumps(dict(config)))  # fail now, not in the background writer
+
+
+def _shape_counts(tree: Any) -> collections.Counter:
+    """Shapes of the tree's arrays, scalars left out (a Python scalar leaf has no shape to compare)."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "shape"))
+    return collections.Counter(tuple(leaf.shape) for leaf in leaves if getattr(leaf, "shape", ()))
+
+
+def _check_shapes(step_dir: Path, abstract: Any) -> None:
+    """A CheckpointError when the stored state's array shapes are not the requested ones (as a
+    multiset: whatever the tree's naming, a restore that fits maps each array onto one of the same
+    shape). Checked from the metadata, before orbax starts its reads: a restore that fails midway
+    leaves its pending reads printing tracebacks from closed event loops."""
+    try:
+        metadata = ocp.StandardCheckpointHandler().metadata(step_dir / "state")
+    except Exception:  # noqa: BLE001 - no readable metadata: the restore itself reports it
+        return
+    stored, wanted = _shape_counts(getattr(metadata, "tree", metadata)), _shape_counts(abstract)
+    if stored != wanted:
+        only_stored, only_wanted = sorted((stored - wanted).elements()), sorted((wanted - stored).elements())
+        raise CheckpointError(
+            f"checkpoint {step_dir} does not fit this run's state (was the workdir written with another model "
+            f"or optimizer config?): stored arrays of shapes {only_stored[:3]} where this run has "
+            f"{only_wanted[:3]} ({sum(stored.values())} stored arrays, {sum(wanted.values())} here)")
 
 
 class Checkpointer:
@@ -245,7 +270,12 @@ class Checkpointer:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
         if (step_dir / "config").is_dir():
             items["config"] = ocp.args.JsonRestore()
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        _check_shapes(step_dir, abstract)
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        except ValueError as error:   # shapes/structure: a workdir written with another model or optimizer
+            raise CheckpointError(f"checkpoint {step_dir} does not fit this run's state (was the workdir written "
+                                  f"with another model or optimizer config?): {error}") from error
         _log.info("restored checkpoint %s", step_dir)
         return Restored(step, restored["state"], restored["config"] if "config" in items else None)
 

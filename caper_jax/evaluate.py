@@ -95,6 +95,9 @@ def run_policy(flag_values: flags.FlagValues) -> int:
     from caper_jax.eval.config import validate_eval_config
 
     config = flag_values.config
+    if (problem := cli.config_load_error(config)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         if not flag_values.workdir:
             raise ValueError("--workdir is required (results.json, results.md and predictions.jsonl go there)")

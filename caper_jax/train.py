@@ -68,7 +68,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing, with config typos turned into one readable line instead of a traceback."""
     try:
         return flags.FLAGS(argv)
-    except (AttributeError, KeyError) as e:
+    except (AttributeError, KeyError, TypeError) as e:
         bad = [a.split("=")[0].removeprefix("--config.") for a in argv[1:] if a.startswith("--config.")]
         try:  # the config file itself loads fine; its keys give the suggestions
             known = _config_keys(_load_config_file(argv))
@@ -112,6 +112,10 @@ def main(argv: list[str]) -> None:
     # orbax and grain log every checkpoint phase at INFO through absl; keep the run's own lines readable.
     logging.getLogger("absl").setLevel(logging.WARNING)
     config = _CONFIG.value
+    from caper_jax.utils.cli import config_load_error
+
+    if (problem := config_load_error(config)) is not None:   # a missing config file: one line, not a traceback
+        sys.exit(f"error: {problem}")
     if config is None:
         sys.exit("error: --config is required, e.g. --config=configs/prm.py")
     if config.trainer not in TRAINERS:
@@ -136,12 +140,21 @@ def main(argv: list[str]) -> None:
     problem = workdir_problem(_WORKDIR.value)
     if problem:
         sys.exit(f"error: {problem}")
+    from caper_jax.data.spider import DataError
     from caper_jax.data.world import WorldError
+    from caper_jax.utils.errors import CheckpointError, NonFiniteLossError
 
     try:
         trainer.run(config, _WORKDIR.value)
-    except WorldError as e:   # data.dir is not a usable layout: found when the run opens it
+    # Bad inputs found when the run opens them: data.dir not a usable layout or a malformed split file,
+    # a run to start from (or resume) that is missing, damaged or of another model; and a run that
+    # kept producing non-finite losses. Their messages say what to do; a traceback adds nothing.
+    except (WorldError, DataError, CheckpointError, NonFiniteLossError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print(f"interrupted: training stopped; the newest whole checkpoint in {_WORKDIR.value}/checkpoints is "
+              "kept, and the same command resumes from it", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

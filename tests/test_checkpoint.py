@@ -347,6 +347,16 @@ def test_a_verified_checkpoint_that_does_not_fit_raises(three_checkpoints):
                          data_iterator=iter(grain.MapDataset.range(3).to_iter_dataset()))
 
 
+def test_a_checkpoint_of_another_model_is_one_checkpoint_error_before_any_read(three_checkpoints, capfd):
+    """Resuming a workdir with another model config raised orbax's ValueError from the middle of its
+    reads, with ~130 "Event loop is closed" tracebacks from the reads still pending."""
+    with ck.Checkpointer(three_checkpoints) as ckpt:
+        wrong = ck.abstract_state(_state(0) | {"w": jnp.zeros((32, 64))})
+        with pytest.raises(ck.CheckpointError, match=r"does not fit this run's state .*\(64, 64\).*\(32, 64\)"):
+            ckpt.restore_latest(wrong)
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_nnx_model_and_optimizer_state_round_trip(tmp_path):
     from flax import nnx
 

@@ -136,3 +136,36 @@ def test_a_policy_run_stopped_during_its_export_writes_no_results_json(tmp_path,
         loop.finish_policy_run(run, {"steps": 5}, [], types.SimpleNamespace(config=None), None, curves=[],
                                png="loss.png", title="toy")
     assert not (run.workdir / "results.json").exists()
+
+
+def test_a_run_resumed_past_its_total_steps_is_refused(tmp_path):
+    """Rerun with a smaller optim.total_steps (a typo: 3 for 30), a workdir at step 5 "finished" at once
+    and wrote the step-5 model's evaluation as step 3's; now it says so."""
+    from caper_jax.utils.errors import CheckpointError
+
+    run, state = _toy_run(tmp_path)
+    run.train(state, _count, log_line=lambda s: "")
+    run.finish(None, curves=[], png="loss.png", title="toy")
+    with pytest.raises(CheckpointError, match=r"holds step 5, past optim.total_steps=3"):
+        _toy_run(tmp_path, total_steps=3)
+    run, state = _toy_run(tmp_path, total_steps=5)     # the same total: resumes as before
+    assert int(state.step) == 5
+
+
+def test_ctrl_c_finishes_the_checkpoint_being_written(tmp_path):
+    """Ctrl-C right after a save used to leave <step>.orbax-checkpoint-tmp (the step lost) and orbax's
+    commit threads printing tracebacks as the interpreter shut down; the save in flight is now finished."""
+    from caper_jax import checkpoint as ckpt_lib
+
+    run, state = _toy_run(tmp_path)
+
+    def interrupted(state, step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return _count(state, step)
+
+    with pytest.raises(KeyboardInterrupt):
+        run.train(state, interrupted, log_line=lambda s: "")
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    assert (ckpt_dir / "2").is_dir() and ckpt_lib.verify(ckpt_dir / "2") is None, sorted(ckpt_dir.iterdir())
+    run.checkpointer.close()

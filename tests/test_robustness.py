@@ -491,3 +491,132 @@ def test_train_refuses_a_url_as_workdir():
     proc = train("gs://bucket/run")
     assert proc.returncode != 0 and "URLs are not supported" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (REPO / "gs:").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs that were graded silently wrong, or ended in a traceback
+
+
+def test_evaluate_ex_refuses_a_published_file_with_another_count_of_predictions(spider, tmp_path, capsys):
+    """Line i of a .sql/.txt/.csv file is example i: a truncated file was graded on its first lines
+    (500 lines of graphix_t5.sql gave "EX 85.4 %, n 438", no word of the 534 examples missing)."""
+    from caper_jax import evaluate
+
+    examples = json.loads((spider / "dev.json").read_text())
+    short = tmp_path / "short.sql"
+    short.write_text("".join(e["query"] + "\n" for e in examples[:500]))
+    code = run_command(evaluate, "ex", "--data", spider, "--predictions", short)
+    captured = capsys.readouterr()
+    assert code == 2 and not captured.out, captured
+    assert f"{short}: 500 predictions for {len(examples)} examples" in captured.err and "Traceback" not in captured.err
+    full = tmp_path / "full.sql"
+    full.write_text("".join(e["query"] + "\n" for e in examples))
+    with contextlib.redirect_stderr(open(os.devnull, "w")):
+        assert run_command(evaluate, "ex", "--data", spider, "--predictions", full) == 0
+
+
+def test_a_directory_given_as_predictions_is_one_line(spider, tmp_path, capsys):
+    """IsADirectoryError is an OSError, not the FileNotFoundError the command lines report."""
+    from caper_jax import evaluate
+    from caper_jax.utils import jsonl
+
+    code = run_command(evaluate, "ex", "--data", spider, "--predictions", tmp_path)
+    err = capsys.readouterr().err
+    assert code == 2 and f"{tmp_path} is a directory, not a JSON-lines file" in err and "Traceback" not in err, err
+    with pytest.raises(ValueError, match="is a directory"):   # verify rerank / localize read through it too
+        with jsonl.open_text_lines(tmp_path):
+            pass
+
+
+def test_a_split_file_that_is_not_utf8_is_named(tmp_path):
+    """The error was "'utf-8' codec can't decode byte 0xe9 in position 45": no file named."""
+    from caper_jax.data.spider import DataError, load_split
+
+    (tmp_path / "dev.json").write_bytes(b'[{"db_id": "a", "question": "caf\xe9", "query": "SELECT 1"}]')
+    with pytest.raises(DataError, match=r"dev\.json is not UTF-8 \(byte 33 is b.\\xe9."):
+        load_split(tmp_path, "dev")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config=configs/annotate.py", "--config.alphaa=2"], "invalid annotate config"),
+    (["--config=configs/annotate.py", "--config.alpha=abc"], "could not convert string to float"),
+    (["--config=configs/annotate.py:limt=3"], "unknown config arg 'limt'"),
+    (["--config=configs/annotatee.py"], "--config: cannot load the config file"),
+    (["--ouput", "o.jsonl"], "Unknown command line flag 'ouput'"),
+], ids=["config key typo", "config value type", "config arg typo", "config file missing", "flag typo"])
+def test_annotate_config_and_flag_mistakes_are_one_line(tmp_path, db, args, message):
+    """annotate ran absl.app.run without the one-line flag parser: a config typo was a traceback and a
+    flag typo two "FATAL Flags parsing error" lines with exit status 1."""
+    inp = write_lines(tmp_path / "in.jsonl", [{"gold": "SELECT 1", "pred": "SELECT 1"}])
+    out = [] if "--ouput" in args else ["--output", tmp_path / "o.jsonl"]
+    proc = annotate("localize", "--db", db, "--input", inp, *out, *args)
+    assert_one_line_error(proc, message)
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_annotate_inject_refuses_a_negative_per_query_before_any_work(tmp_path, db):
+    inp = write_lines(tmp_path / "in.jsonl", [{"gold": "SELECT Name FROM singer"}])
+    proc = annotate("inject", "--db", db, "--input", inp, "--output", tmp_path / "o.jsonl", "--per_query", "-3")
+    assert_one_line_error(proc, "per_query must be >= 0, got -3")
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+# The trainers' errors at the command line, with a stand-in trainer (no data, model or compilation).
+_FAKE_TRAINER = r"""
+import sys, types
+from absl import app
+from caper_jax import train
+from caper_jax.data.spider import DataError
+from caper_jax.utils.errors import CheckpointError, NonFiniteLossError
+
+def run(config, workdir):
+    raise {"data": DataError("/x/dev.json example 2 lacks string field(s) ['question']"),
+           "checkpoint": CheckpointError("checkpoint /w/checkpoints/6 does not fit this run's state"),
+           "nonfinite": NonFiniteLossError("step 4: 3 consecutive non-finite losses/gradients"),
+           "interrupt": KeyboardInterrupt()}[config.raises]
+
+sys.modules["fake_trainer"] = types.SimpleNamespace(validate=lambda config: None, run=run, dry_run=None)
+train.TRAINERS["fake"] = "fake_trainer"
+app.run(train.main, flags_parser=train.parse_flags)
+"""
+
+
+@pytest.mark.parametrize("raises, status, message", [
+    ("data", 1, "error: /x/dev.json example 2 lacks string field(s)"),
+    ("checkpoint", 1, "error: checkpoint /w/checkpoints/6 does not fit"),
+    ("nonfinite", 1, "error: step 4: 3 consecutive non-finite losses"),
+    ("interrupt", 130, "interrupted: training stopped; the newest whole checkpoint in"),
+])
+def test_train_reports_what_a_run_finds_wrong_in_one_line(tmp_path, raises, status, message):
+    """A malformed split file, a checkpoint that does not fit (or a missing SFT run), a run of
+    non-finite losses and Ctrl-C all ended `python -m caper_jax.train` with a traceback (Ctrl-C:
+    two, one of them from orbax's commit thread, and exit status -2)."""
+    config = tmp_path / "fake.py"
+    config.write_text("from ml_collections import ConfigDict\n"
+                      f"def get_config():\n    return ConfigDict({{'trainer': 'fake', 'raises': {raises!r}}})\n")
+    proc = subprocess.run([sys.executable, "-c", _FAKE_TRAINER, f"--config={config}", f"--workdir={tmp_path / 'w'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr[-3000:]
+
+
+def test_convert_refuses_a_truncated_safetensors_file_with_one_line(tmp_path, capsys):
+    """A partial download (header cut, or data cut after an intact header) was a SafetensorError traceback."""
+    from flax import nnx
+
+    from caper_jax import convert
+    from caper_jax.models import Qwen35ForCausalLM, to_hf
+    from caper_jax.models.presets import model_preset
+
+    config = model_preset("tiny", vocab_size=64)
+    good = tmp_path / "good"
+    to_hf(Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)), config, good)
+    size = (good / "model.safetensors").stat().st_size
+    for name, keep in (("header_cut", 5000), ("data_cut", size - 100_000)):
+        damaged = tmp_path / name
+        shutil.copytree(good, damaged)
+        os.truncate(damaged / "model.safetensors", keep)
+        code = run_command(convert, "hf-to-orbax", "--hf_dir", damaged, "--out", tmp_path / f"out_{name}")
+        err = capsys.readouterr().err
+        assert code == 2 and "is not a readable safetensors file" in err and err.count("\n") == 1, (name, err)
+        assert not (tmp_path / f"out_{name}").exists()

@@ -23,6 +23,13 @@ from tests.helpers import run_train
     (["--config=configs/sft.py", "--config.data.kind=spider"], "data.kind='spider' needs --config.data.dir="),
     (["--config=configs/grpo.py", "--config.data.kind=spider", "--config.data.dir=/tmp"],
      "Spider data needs a tokenizer: set model.tokenizer_dir or model.hf_dir"),
+    # Bad-input audit (2026-12-06): each of these was a traceback, or (lr) accepted.
+    (["--config=configs/prm.py", "--config.trainer.stepz=3"], "unknown config key 'trainer.stepz'"),
+    (["--config=configs/prmm.py"], "--config: cannot load the config file: [Errno 2] No such file"),
+    (["--config=configs/prm.py", "--config.optim.lr=nan"], "optim.lr=nan must be a finite number > 0"),
+    (["--config=configs/prm.py", "--config.optim.lr=inf"], "optim.lr=inf must be a finite number > 0"),
+    (["--config=configs/grpo.py", "--config.policy.sft_workdir=/nonexistent/sft"],
+     "policy.sft_workdir='/nonexistent/sft': /nonexistent/sft does not exist"),
 ])
 def test_bad_config_is_one_clear_error(args, message, tmp_path):
     result = run_train(*args, tmp_path=tmp_path)

@@ -77,6 +77,9 @@ def _read_json(path: pathlib.Path) -> Any:
             return json.load(f)
     except json.JSONDecodeError as error:
         raise DataError(f"{path} is not valid JSON: {error}") from error
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path} is not UTF-8 (byte {error.start + 1} is {error.object[error.start:error.start + 1]!r})"
+                        ) from error
 
 
 def split_name(split: str) -> str:

@@ -39,7 +39,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from caper_jax.data.spider import (SQL_PREDICTION_SUFFIXES, MissingDatabaseError, db_path, load_split,
+from caper_jax.data.spider import (SQL_PREDICTION_SUFFIXES, DataError, MissingDatabaseError, db_path, load_split,
                                    read_sql_predictions, read_system_predictions)
 from caper_jax.sql.execution import ExecResult, Executor, Executors, order_matters, results_equal
 from caper_jax.sql.semantics import EvalSemantics as Semantics, check_semantics, comparison, executed_sql
@@ -145,6 +145,9 @@ def _prediction_lines(path: str | os.PathLike, examples: Sequence):
     if pathlib.Path(path).suffix.lower() not in SQL_PREDICTION_SUFFIXES:
         return jsonl.open_text_lines(path)  # decoded line by line: a bad byte spoils one line only
     sql = read_sql_predictions(path, examples)
+    if len(sql) != len(examples):   # line i is example i: a truncated or padded file would grade a shifted subset
+        raise DataError(f"{path}: {len(sql)} predictions for {len(examples)} examples (a .sql/.txt/.csv file holds "
+                        "one prediction per example, in split order)")
     return contextlib.nullcontext([json.dumps({"index": i, "pred": s}) for i, s in enumerate(sql)])
 
 

@@ -95,6 +95,16 @@ def _to_hf_layout(tensor: np.ndarray, layout: str) -> np.ndarray:
 # Reading ----------------------------------------------------------------------------------------
 
 
+def _safe_open(path: pathlib.Path):
+    """``safe_open``, with a damaged file (a truncated download, another format) as a CheckpointError."""
+    from safetensors import SafetensorError
+
+    try:
+        return safe_open(path, framework="numpy")
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{path} is not a readable safetensors file (truncated or damaged?): {error}") from error
+
+
 class _SafetensorsDir:
     """Tensor name -> lazily read numpy array, over a single file or a sharded index."""
 
@@ -103,7 +113,7 @@ class _SafetensorsDir:
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
         elif (directory / SAFE_SINGLE).exists():
-            with safe_open(directory / SAFE_SINGLE, framework="numpy") as f:
+            with _safe_open(directory / SAFE_SINGLE) as f:
                 weight_map = {name: SAFE_SINGLE for name in f.keys()}
         else:
             raise CheckpointError(f"{directory}: neither {SAFE_INDEX} nor {SAFE_SINGLE}")
@@ -129,8 +139,12 @@ class _SafetensorsDir:
         stored = self.names[name]
         file = self.weight_map[stored]
         if file not in self.files:
-            self.files[file] = safe_open(self.directory / file, framework="numpy")
-        return self.files[file].get_tensor(stored)
+            self.files[file] = _safe_open(self.directory / file)
+        try:
+            return self.files[file].get_tensor(stored)
+        except Exception as error:  # noqa: BLE001 - safetensors raises its own (not exported) error types
+            raise CheckpointError(f"{self.directory / file}: tensor {stored!r} cannot be read (truncated or "
+                                  f"damaged file?): {error}") from error
 
 
 def read_tensor(path: str | os.PathLike, name: str) -> np.ndarray:

@@ -63,6 +63,22 @@ def load_policy(config, vocab_size: int, mesh, rules):
     return policy
 
 
+def check_runs(config) -> None:
+    """The SFT run and the PRM run this GRPO run reads exist, are whole and are of the right trainer:
+    one ``CheckpointError`` naming the config key, before any work (``validate`` cannot: the
+    reproduction validates its GRPO configs before their runs exist)."""
+    if config.policy.sft_workdir:
+        try:
+            runs.read_run(config.policy.sft_workdir, step=config.policy.ckpt, trainers=runs.POLICY_TRAINERS)
+        except runs.CheckpointError as error:
+            raise runs.CheckpointError(f"policy.sft_workdir={config.policy.sft_workdir!r}: {error}") from error
+    if reward_variant(config.reward.variant).uses_prm:
+        try:
+            runs.read_run(config.prm.workdir, step=config.prm.ckpt, trainers=("prm",))
+        except runs.CheckpointError as error:
+            raise runs.CheckpointError(f"prm.workdir={config.prm.workdir!r}: {error}") from error
+
+
 def load_prm(config, vocab_size: int, mesh, rules):
     """The frozen Clause-PRM of a PRM run (``prm.workdir``), in this run's compute dtype."""
     run = runs.load_run(config.prm.workdir, mesh=mesh, rules=rules, step=config.prm.ckpt, trainers=("prm",),
@@ -151,6 +167,7 @@ def run(config, workdir: str) -> dict:
     from caper_jax.data.world import prepare_world
     from caper_jax.sql.execution import Executors
 
+    check_runs(config)   # before the workdir and the world are made
     run = loop.Run.start(config, workdir)
     world = prepare_world(config, run.workdir)
     tokenizer = world.tokenizer

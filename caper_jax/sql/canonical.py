@@ -97,6 +97,8 @@ def parse(sql: str) -> exp.Expression:
         trees = sqlglot.parse(sql, read=DIALECT)
     except SqlglotError as e:
         raise CanonicalizeError(str(e)) from e
+    except RecursionError:   # sqlglot's parser recurses per nesting level
+        raise CanonicalizeError("cannot parse SQL: nested too deeply") from None
     # A comment after the final ';' parses as a bare Semicolon statement: not a second query.
     trees = [t for t in trees if t is not None and not isinstance(t, exp.Semicolon)]
     if len(trees) != 1 or not isinstance(trees[0], exp.Query):

@@ -110,6 +110,8 @@ def parse_tokens(tokens: list[Token], sql: str) -> exp.Query:
                       if s is not None and not isinstance(s, exp.Semicolon)]
     except SqlglotError as error:
         raise SqlParseError(f"cannot parse SQL: {error}") from error
+    except RecursionError:   # sqlglot's parser recurses per nesting level: "SELECT ((((...1...))))"
+        raise SqlParseError("cannot parse SQL: nested too deeply") from None
     if len(statements) != 1:
         raise SqlParseError(f"expected one statement, got {len(statements)}")
     tree = statements[0]

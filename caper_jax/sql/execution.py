@@ -57,6 +57,11 @@ _FORBIDDEN_FUNCTIONS = frozenset({"load_extension"})
 # budget (~tens of µs); max_vm_steps is therefore enforced to within this many instructions.
 _PROGRESS_STEPS = 1000
 _MAX_VALUE_BYTES = 16 * 2**20
+# Text and blob bytes one result may hold: max_rows alone lets 10k-1M rows of 16 MiB values through
+# (SELECT zeroblob(16000000) FROM <recursive CTE> grows by ~0.4 GB/s until the deadline). Rows are
+# fetched in chunks this small so that the budget is overshot by at most a chunk of maximal values.
+DEFAULT_MAX_RESULT_BYTES = 256 * 2**20
+_FETCH_CHUNK = 16
 # Quoted tokens (strings, identifiers) are kept verbatim; whitespace between them is collapsed.
 _QUOTED = re.compile(r"('[^']*(?:''[^']*)*'|\"[^\"]*(?:\"\"[^\"]*)*\"|`[^`]*(?:``[^`]*)*`|\[[^\]]*\])")
 _SPACE = re.compile(r"\s+")
@@ -145,6 +150,42 @@ def _decode_text(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
+# printf's "%.Nc" repeats a character N times one append at a time, inside one VM instruction that
+# no progress handler interrupts: printf('%.*c', 2147483647, 'x') takes ~8.7 s, once per row
+# (26 s for 3 rows under timeout_s=1). printf/format are replaced by a wrapper that refuses widths and
+# precisions adding up past the longest value SQLite may hold (the time is linear in their sum), and
+# otherwise runs SQLite's own printf on a private in-memory connection with the same length limit.
+_LEADING_INT = re.compile(r"\s*[-+]?\d+")
+_PRINTF_SPEC = re.compile(r"%[-+ #0!,]*(\*|\d*)(?:\.(\*|\d*))?l{0,2}([a-zA-Z%])")
+
+
+def _bounded_printf(delegate: sqlite3.Connection):
+    def printf(fmt=None, *args):
+        text = fmt.decode("utf-8", "replace") if isinstance(fmt, bytes) else fmt   # SQLite reads a blob as text
+        if isinstance(text, str):
+            used = total = 0
+            for spec in _PRINTF_SPEC.finditer(text):
+                for part in spec.group(1, 2):
+                    if part == "*":   # the next argument, as SQLite reads it (sqlite3_value_int64)
+                        value, used = (args[used] if used < len(args) else 0), used + 1
+                        if isinstance(value, bytes):
+                            value = value.decode("utf-8", "replace")
+                        if isinstance(value, str):
+                            value = int(m.group()) if (m := _LEADING_INT.match(value)) else 0
+                        elif isinstance(value, float):
+                            value = 0 if value != value else _MAX_VALUE_BYTES + 1 if abs(value) == float("inf") else value
+                        size = abs(int(value)) if isinstance(value, (int, float)) else 0
+                    else:
+                        size = int(part) if part else 0
+                    total += size
+                    if total > _MAX_VALUE_BYTES:
+                        raise ValueError(f"printf widths and precisions add up past {_MAX_VALUE_BYTES}")
+                used += spec.group(3) != "%"
+        marks = ", ".join("?" * (1 + len(args)))
+        return delegate.execute(f"SELECT printf({marks})", (fmt, *args)).fetchone()[0]
+    return printf
+
+
 class NotADatabaseError(ValueError):
     """The database path names a file that is not a SQLite database (text, empty, an LFS pointer)."""
 
@@ -158,16 +199,30 @@ def open_readonly(db_path: str | os.PathLike) -> sqlite3.Connection:
     if not path.is_file():
         raise FileNotFoundError(f"database not found: {path}")
     with open(path, "rb") as f:
-        if f.read(16) != b"SQLite format 3\x00":
+        header = f.read(20)
+        if header[:16] != b"SQLite format 3\x00":
             raise NotADatabaseError(f"{path} is not a SQLite database (no 'SQLite format 3' header)")
+    # A WAL-mode file (header bytes 18-19 = 2) would make even a read-only connection create
+    # <db>-wal and <db>-shm beside it, and fail ("unable to open database file") in a folder it
+    # cannot write. With no -wal file, every committed page is in the file itself: open it as
+    # immutable, which takes no locks and creates nothing. (A -wal file holds commits not yet in the
+    # file: then the ordinary read-only open, which reads them.)
+    wal = pathlib.Path(f"{path}-wal")
+    immutable = header[18:20] == b"\x02\x02" and not (wal.exists() and wal.stat().st_size > 0)
     # Serialised use from several threads is fine (Grain may hand work between threads);
     # concurrent use of one Executor is not (its deadline and cache are per executor).
-    connection = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, check_same_thread=False,
+    connection = sqlite3.connect(f"{path.as_uri()}?mode=ro{'&immutable=1' if immutable else ''}", uri=True,
+                                 check_same_thread=False,
                                  isolation_level=None)
     connection.execute("PRAGMA query_only = 1")
     connection.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
     # zeroblob(1e9) would otherwise allocate a gigabyte inside one row.
     connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
+    delegate = sqlite3.connect(":memory:", check_same_thread=False)
+    delegate.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
+    printf = _bounded_printf(delegate)
+    for name in ("printf", "format"):
+        connection.create_function(name, -1, printf, deterministic=True)
     connection.set_authorizer(_authorizer)
     return connection
 
@@ -181,10 +236,15 @@ class Executor:
     """
 
     def __init__(self, db_path: str | os.PathLike, timeout_s: float = 2.0, max_rows: int = 10_000,
-                 cache_size: int = 4096, max_vm_steps: int | None = None):
-        if timeout_s <= 0 or max_rows <= 0 or cache_size < 0 or (max_vm_steps is not None and max_vm_steps <= 0):
-            raise ValueError(f"need timeout_s > 0, max_rows > 0, cache_size >= 0, max_vm_steps None or > 0; "
-                             f"got {timeout_s}, {max_rows}, {cache_size}, {max_vm_steps}")
+                 cache_size: int = 4096, max_vm_steps: int | None = None,
+                 max_result_bytes: int | None = DEFAULT_MAX_RESULT_BYTES):
+        # Written as "not > 0" so that NaN is refused too: a NaN deadline is never passed (no timeout at all).
+        if (not timeout_s > 0 or not max_rows > 0 or not cache_size >= 0
+                or (max_vm_steps is not None and not max_vm_steps > 0)
+                or (max_result_bytes is not None and not max_result_bytes > 0)):
+            raise ValueError(f"need timeout_s > 0, max_rows > 0, cache_size >= 0, max_vm_steps None or > 0, "
+                             f"max_result_bytes None or > 0; got {timeout_s}, {max_rows}, {cache_size}, "
+                             f"{max_vm_steps}, {max_result_bytes}")
         self.db_path = pathlib.Path(db_path)
         self.timeout_s = timeout_s
         self.max_vm_steps = max_vm_steps
@@ -192,6 +252,7 @@ class Executor:
         self._max_progress_calls = None if max_vm_steps is None else -(-max_vm_steps // _PROGRESS_STEPS)
         self._progress_calls = 0
         self.max_rows = max_rows
+        self.max_result_bytes = max_result_bytes
         self.cache_size = cache_size
         self.sqlite_seconds = 0.0  # time spent inside SQLite (execute + fetch), for benchmarks
         self._cache: collections.OrderedDict[str, ExecResult] = collections.OrderedDict()
@@ -279,7 +340,7 @@ class Executor:
         cursor = self._connection.cursor()
         try:
             cursor.execute(sql)
-            rows = cursor.fetchmany(self.max_rows + 1)
+            rows, too_large = self._fetch(cursor)
         except sqlite3.ProgrammingError as error:
             if "one statement at a time" in str(error):
                 return ExecResult(error_kind="forbidden", error=str(error))
@@ -301,10 +362,29 @@ class Executor:
         finally:
             self.sqlite_seconds += time.monotonic() - start
             cursor.close()
+        if too_large:
+            return ExecResult(error_kind="too_many_rows", error=f"result larger than {self.max_result_bytes} bytes")
         if len(rows) > self.max_rows:
             return ExecResult(error_kind="too_many_rows", error=f"more than {self.max_rows} rows")
         columns = tuple(d[0] for d in cursor.description or ())
         return ExecResult(rows=tuple(rows), columns=columns)
+
+
+    def _fetch(self, cursor: sqlite3.Cursor) -> tuple[list, bool]:
+        """Up to max_rows + 1 rows; (rows, True) as soon as their text/blob bytes pass max_result_bytes."""
+        if self.max_result_bytes is None:
+            return cursor.fetchmany(self.max_rows + 1), False
+        rows: list = []
+        size = 0
+        while len(rows) <= self.max_rows:
+            chunk = cursor.fetchmany(min(_FETCH_CHUNK, self.max_rows + 1 - len(rows)))
+            if not chunk:
+                break
+            rows.extend(chunk)
+            size += sum(len(v) for row in chunk for v in row if isinstance(v, (str, bytes)))
+            if size > self.max_result_bytes:
+                return [], True
+        return rows, False
 
 
 class _NotUtf8(Exception):

@@ -34,6 +34,22 @@ def usage_error(message: str, *, prefix: str = "error") -> NoReturn:
     sys.exit(USAGE_STATUS)
 
 
+def config_load_error(config) -> str | None:
+    """Why the file of a ``config_flags`` config failed to load, or None (also for no config).
+
+    config_flags does not raise for a config file that is missing or fails to import: it hands back
+    a stand-in that raises an OSError, with every path it tried, at the first attribute read.
+    Reading one here turns that into one line."""
+    if config is None:
+        return None
+    try:
+        config.keys   # noqa: B018 - any attribute: the stand-in raises its loading error
+    except OSError as error:
+        reason = str(error).strip().splitlines()[-1].strip()
+        return f"--config: cannot load the config file: {reason}"
+    return None
+
+
 def check_command(flag_values: flags.FlagValues, usage: str, *, defined: Collection[str],
                   reads: Collection[str], required: Collection[str] = ()) -> None:
     """A ``usage_error`` for a required flag unset, or a flag of ``defined`` given that the command

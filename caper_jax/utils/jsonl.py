@@ -40,7 +40,11 @@ def _decode(raw: bytes) -> str:
 
 @contextlib.contextmanager
 def open_text_lines(path: str | os.PathLike) -> Iterator[Iterator[str]]:
-    """``with open_text_lines(p) as lines``: like a text file's lines, decoded one line at a time."""
+    """``with open_text_lines(p) as lines``: like a text file's lines, decoded one line at a time.
+
+    A directory is refused with a ValueError (one line at the command lines), not IsADirectoryError."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a directory, not a JSON-lines file")
     with open(path, "rb") as f:
         yield (_decode(raw) for raw in f)
 

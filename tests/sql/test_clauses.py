@@ -208,3 +208,23 @@ def test_spans_stay_exact_under_random_whitespace_and_case(spider):
         assert_reassembles(noisy, units)
         for unit, reference in zip(units, original):
             assert " ".join(unit.text.lower().split()) == " ".join(reference.text.lower().split())
+
+
+def test_sql_nested_too_deeply_is_a_parse_error_not_a_recursion_error():
+    """sqlglot recurses once per nesting level: 3,000 parentheses in a candidate raised RecursionError
+    through ``verify`` (rerank and localize), which stopped the whole run with a traceback."""
+    import sys
+
+    from caper_jax.sql import canonical
+
+    deep = "SELECT " + "(" * 3000 + "name" + ")" * 3000 + " FROM singer"
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)   # Python's default (test_canonical raises it for the whole process)
+    try:
+        with pytest.raises(SqlParseError, match="nested too deeply"):
+            split_clauses(deep)
+        with pytest.raises(canonical.CanonicalizeError, match="nested too deeply"):
+            canonical.parse(deep)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert [u.name for u in split_clauses("SELECT " + "(" * 50 + "name" + ")" * 50 + " FROM singer")] == ["SELECT", "FROM"]

@@ -358,3 +358,67 @@ def test_a_file_that_is_not_a_database_is_refused(tmp_path):
     for name in ("text.sqlite", "empty.sqlite"):
         with pytest.raises(NotADatabaseError, match="not a SQLite database"):
             Executor(tmp_path / name)
+
+
+# -- bad-input audit (2026-12-06): limits that disabled themselves, results bounded in bytes, WAL files
+
+
+def test_a_nan_limit_is_refused_instead_of_disabling_the_deadline(db_copy):
+    """``timeout_s <= 0`` let NaN through, and ``monotonic() > start + nan`` is never true: an endless
+    query then ran forever (``evaluate ex --timeout_s nan`` hung on the recursive CTE below)."""
+    for kwargs in ({"timeout_s": float("nan")}, {"max_rows": float("nan")}, {"max_vm_steps": float("nan")},
+                   {"max_result_bytes": float("nan")}, {"max_result_bytes": 0}):
+        with pytest.raises(ValueError, match="need timeout_s > 0"):
+            Executor(db_copy, **kwargs)
+
+
+def test_a_result_is_bounded_in_bytes_not_only_in_rows(db_copy):
+    """``SELECT zeroblob(16e6) FROM <recursive CTE>`` stays under max_rows while each row holds 16 MiB:
+    measured 7.8 GB in 19 s (MemoryError under an 8 GB limit; the OOM killer without one) at evaluate's
+    30 s default. A byte budget stops it as too_many_rows once the fetched text/blob bytes pass it."""
+    bomb = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT zeroblob(1000000) FROM c"
+    with Executor(db_copy, timeout_s=30, max_rows=1_000_000, max_result_bytes=20_000_000) as executor:
+        start = time.monotonic()
+        result = executor.execute(bomb)
+        assert result.error_kind == "too_many_rows" and "bytes" in result.error, result
+        assert time.monotonic() - start < 5
+        assert executor.execute("SELECT Name FROM singer").ok   # small results are untouched
+    assert Executor(db_copy).max_result_bytes is not None     # bounded by default
+
+
+def test_a_wal_database_is_read_without_creating_files_beside_it(tmp_path):
+    """A WAL-mode file made even the mode=ro connection create <db>-wal and <db>-shm next to the data
+    (and fail with 'unable to open database file', every gold then 'excluded', in a folder it cannot
+    write). It is now opened immutable when no -wal file holds commits not yet in the file."""
+    path = tmp_path / "db" / "w.sqlite"
+    _one_value_db(path, "v")
+    with sqlite3.connect(path) as connection:
+        assert connection.execute("PRAGMA journal_mode = WAL").fetchone() == ("wal",)
+    connection.close()
+    before = fingerprint(path.parent)
+    assert sorted(before) == ["w.sqlite"]
+    with Executor(path) as executor:
+        assert executor.execute("SELECT v FROM t").rows == (("v",),)
+        assert executor.execute("DELETE FROM t").error_kind == "forbidden"
+    assert fingerprint(path.parent) == before
+
+
+def test_printf_cannot_outrun_the_deadline(db_copy):
+    """printf's "%.Nc" repeats a character N times inside one VM instruction, where no progress handler
+    runs: printf('%.*c', 2147483647, 'x') took 8.7 s per row whatever timeout_s and max_vm_steps said
+    (26 s for 3 rows under timeout_s=1). Widths and precisions adding up past the value limit are refused;
+    every other printf/format call is SQLite's own."""
+    reference = sqlite3.connect(":memory:")
+    reference.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 16 * 2**20)
+    with Executor(db_copy, timeout_s=1, max_vm_steps=1_000_000, cache_size=0) as executor:
+        for sql in ["SELECT printf('%.*c', 2147483647 + Singer_ID * 0, 'x') FROM singer LIMIT 3",
+                    "SELECT format('%.2147483647c', 'x')", "SELECT printf(x'252e3230303030303030303063', 'x')",
+                    "SELECT printf('" + "%.10000000c" * 3 + "', 'x', 'y', 'z')"]:
+            start = time.monotonic()
+            assert executor.execute(sql).error_kind == "runtime", sql
+            assert time.monotonic() - start < 1.5, sql
+        for sql in ["SELECT printf('%5.2f|%-6s|%d|%%|%x|%q|%c|%w|%Q', 3.14159, 'ab', 42, 255, 'it''s', 'z', 'a\"b', NULL)",
+                    "SELECT printf('%*d|%.*s|%,d|%!.3g|%.*c', 6, 42, 2, 'abcdef', 1234567, 2.5, ' 3x', 'y')",
+                    "SELECT format('%s-%s', 1, x'4142')", "SELECT printf(NULL)", "SELECT printf(42)",
+                    "SELECT length(printf('%.1000000c', 'x'))"]:
+            assert executor.execute(sql).rows == tuple(reference.execute(sql).fetchall()), sql
