@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import time
 from typing import Any, Callable
@@ -55,6 +56,8 @@ def check_config(config, *, positive: tuple[str, ...]) -> None:
             raise ValueError(f"data.bucket_lengths={buckets} must be increasing and <= data.max_len")
     if config.optim.total_steps < 1 or config.optim.lr <= 0:
         raise ValueError("optim.total_steps must be >= 1 and optim.lr > 0")
+    if not math.isfinite(config.optim.lr):   # NaN passes "lr <= 0"; the first update would make every weight NaN
+        raise ValueError(f"optim.lr={config.optim.lr} must be a finite number > 0")
     for key in positive:
         if config[key] < 1:
             raise ValueError(f"{key} must be >= 1, got {config[key]}")
@@ -158,6 +161,10 @@ class Run:
         restored = self.checkpointer.restore_latest(ckpt_lib.abstract_state(state), data_iterator=data_iterator)
         if restored is None:
             return state
+        if restored.step > config.optim.total_steps:   # else the run "finishes" at once, reporting the later step
+            raise ckpt_lib.CheckpointError(
+                f"{self.workdir / 'checkpoints'} holds step {restored.step}, past optim.total_steps="
+                f"{config.optim.total_steps}: give a new --workdir, or total_steps >= {restored.step} to go on")
         multihost.log_main("resumed from step %d", restored.step)
         return restored.state
 
@@ -179,26 +186,32 @@ class Run:
         total = config.optim.total_steps
         progress = Progress(total, int(state.step))
         window, window_start = [], time.perf_counter()
-        with jax.set_mesh(self.mesh):
-            for step in range(int(state.step) + 1, total + 1):
-                state, metrics = step_fn(state, step)
-                window.append(metrics)
-                if step % config.log_every == 0 or step == total:
-                    fetched = jax.device_get(window)
-                    seconds, window_start = time.perf_counter() - window_start, time.perf_counter()
-                    window = []
-                    summary = summarize(fetched, seconds) if summarize else train_means(fetched)
-                    summary["train/lr"] = float(learning_rate(config.optim)(step))
-                    line = progress.update(step)
-                    summary[steps_per_s_key] = progress.steps_per_s
-                    self.writer.write(step, summary)
-                    multihost.log_main("%s%s", line, log_line(summary))
-                self.check_finite(state, step)
-                if evaluate is not None and step % eval_every == 0 and step != total:
-                    self.writer.write(step, evaluate(state))
-                self.checkpointer.save(step, state, data_iterator=self.data_iterator, config=config.to_dict(),
-                                       run=self.run_record, force=step == total)
+        try:
+            with jax.set_mesh(self.mesh):
+                for step in range(int(state.step) + 1, total + 1):
+                    state, metrics = step_fn(state, step)
+                    window.append(metrics)
+                    if step % config.log_every == 0 or step == total:
+                        fetched = jax.device_get(window)
+                        seconds, window_start = time.perf_counter() - window_start, time.perf_counter()
+                        window = []
+                        summary = summarize(fetched, seconds) if summarize else train_means(fetched)
+                        summary["train/lr"] = float(learning_rate(config.optim)(step))
+                        line = progress.update(step)
+                        summary[steps_per_s_key] = progress.steps_per_s
+                        self.writer.write(step, summary)
+                        multihost.log_main("%s%s", line, log_line(summary))
+                    self.check_finite(state, step)
+                    if evaluate is not None and step % eval_every == 0 and step != total:
+                        self.writer.write(step, evaluate(state))
+                    self.checkpointer.save(step, state, data_iterator=self.data_iterator, config=config.to_dict(),
+                                           run=self.run_record, force=step == total)
+                self.checkpointer.wait()
+        except KeyboardInterrupt:
+            # Ctrl-C: a checkpoint being written is finished first (else orbax's commit threads die with the
+            # interpreter, each printing a traceback, and the step is lost); a second Ctrl-C stops at once.
             self.checkpointer.wait()
+            raise
         return state
 
     def check_finite(self, state: TrainState, step: int) -> None:
