@@ -152,7 +152,15 @@ def random_tree(rng: random.Random, budget: int) -> LabelledNode:
 
 
 def test_edit_distance_is_minimal_against_naive_recurrence():
-    sys.setrecursionlimit(10_000)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(10_000)   # the naive recurrence recurses deeply; restored for the tests after this one
+    try:
+        _check_edit_distances_against_naive_recurrence()
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def _check_edit_distances_against_naive_recurrence():
     rng = random.Random(0)
     for _ in range(150):
         a, b = random_tree(rng, rng.randint(1, 7)), random_tree(rng, rng.randint(1, 7))
