@@ -166,6 +166,7 @@ class Run:
                 f"{self.workdir / 'checkpoints'} holds step {restored.step}, past optim.total_steps="
                 f"{config.optim.total_steps}: give a new --workdir, or total_steps >= {restored.step} to go on")
         multihost.log_main("resumed from step %d", restored.step)
+        self.writer.rewind(restored.step)
         return restored.state
 
     def train(self, state: TrainState, step_fn: Callable[[TrainState, int], tuple[TrainState, Any]], *,

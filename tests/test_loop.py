@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import optax
 import pytest
+from tensorboardX.proto.event_pb2 import Event, SessionLog
 
 from caper_jax import loop
 from caper_jax.utils.errors import NonFiniteLossError
@@ -95,6 +96,45 @@ def test_loop_logs_window_means_and_resumes(tmp_path):
     run.train(state, _count, log_line=lambda s: "")
     run.finish(None, curves=[], png="loss.png", title="toy")
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [2, 4, 5, 6]
+
+
+def test_a_resumed_run_logs_no_step_twice(tmp_path):
+    """Interrupted after step 5 was logged but before its checkpoint was written: steps 5.. are redone,
+    so the first pass's row at step 5 goes (in TensorBoard it is hidden by purge_step)."""
+    import shutil
+
+    run, state = _toy_run(tmp_path)
+    run.train(state, _count, log_line=lambda s: "")
+    run.finish(None, curves=[], png="loss.png", title="toy")
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "5")
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [2, 4, 5]
+
+    run, state = _toy_run(tmp_path, total_steps=7)
+    assert int(state.step) == 4
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [2, 4]
+    run.train(state, _count, log_line=lambda s: "")
+    run.finish(None, curves=[], png="loss.png", title="toy")
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [(r["step"], r["train/loss"]) for r in rows] == [(2, 1.5), (4, 3.5), (6, 5.5), (7, 7.0)]
+    # The resumed writer's event file starts with tensorboardX's purge marker: a SessionLog START at step 5,
+    # which makes TensorBoard hide the first pass's events from step 5 on.
+    starts = [(event.step, event.session_log.status) for path in (tmp_path / "run" / "tensorboard").iterdir()
+              for event in _events(path) if event.HasField("session_log")]
+    assert starts == [(5, SessionLog.START)]
+
+
+def _events(path):
+    """The records of a TensorBoard event file (TFRecord framing: length, its CRC, data, data CRC)."""
+    import struct
+
+    data = path.read_bytes()
+    offset = 0
+    while offset < len(data):
+        (length,) = struct.unpack_from("<Q", data, offset)
+        event = Event()
+        event.ParseFromString(data[offset + 12: offset + 12 + length])
+        yield event
+        offset += 12 + length + 4
 
 
 def test_loop_stops_on_consecutive_refused_updates(tmp_path):

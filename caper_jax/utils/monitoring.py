@@ -28,22 +28,45 @@ class MetricWriter:
     def __init__(self, workdir: str | pathlib.Path, *, enabled: bool = True):
         self.enabled = enabled
         self.path = pathlib.Path(workdir) / "metrics.jsonl"
-        self._tb = None
+        self._tb = None            # opened at the first write, after a resume's rewind
+        self._purge_step = None
         if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def _tensorboard(self):
+        if self._tb is None:
             from tensorboardX import SummaryWriter  # deferred: only the writing process needs it
 
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"))
+            self._tb = SummaryWriter(str(self.path.parent / "tensorboard"), purge_step=self._purge_step)
+        return self._tb
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         if not self.enabled:
             return
         scalars = {k: _scalar(v) for k, v in metrics.items()}
+        tensorboard = self._tensorboard()
         for key, value in scalars.items():
             # TensorBoard tags allow no spaces ("eval/pair_accuracy/GROUP BY"); the JSONL keeps the name.
-            self._tb.add_scalar(key.replace(" ", "_"), value, step)
+            tensorboard.add_scalar(key.replace(" ", "_"), value, step)
         with self.path.open("a") as f:
             f.write(json.dumps({"step": int(step), **scalars}) + "\n")
+
+    def rewind(self, step: int) -> None:
+        """After a resume from checkpoint ``step``: the rows of later steps, written before the
+        interruption by a trajectory the run is about to redo, leave metrics.jsonl (rewritten
+        atomically) and are hidden in TensorBoard (tensorboardX's ``purge_step``), so that no step is
+        logged twice."""
+        if not self.enabled:
+            return
+        from caper_jax.utils.atomic import write_text_atomic
+
+        if self.path.exists():
+            lines = self.path.read_text().splitlines(keepends=True)
+            kept = [line for line in lines if not line.strip() or json.loads(line)["step"] <= step]
+            if len(kept) != len(lines):
+                write_text_atomic(self.path, "".join(kept))
+        self.close()
+        self._tb, self._purge_step = None, step + 1
 
     def close(self) -> None:
         if self._tb is not None:
