@@ -18,6 +18,8 @@ import dataclasses
 import json
 import math
 import pathlib
+import signal
+import threading
 import time
 from typing import Any, Callable
 
@@ -30,7 +32,7 @@ from caper_jax.data import world as world_lib
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
-from caper_jax.utils.errors import NonFiniteLossError
+from caper_jax.utils.errors import NonFiniteLossError, Preempted
 from caper_jax.utils.monitoring import MetricWriter, Progress, plot_curves, read_metrics
 from caper_jax.utils.optim import TrainState, init_state, learning_rate, make_optimizer
 
@@ -111,6 +113,40 @@ def jit_state_step(step: Callable, key: tuple | None, state_sharding=None) -> Ca
 # -- the run
 
 
+class StopRequest:
+    """SIGTERM, a scheduler's preemption notice, as a request to save after the current step and stop.
+
+    One process: a handler notes the signal (Python's default would end the process at once and lose
+    the steps since the last save). Several processes (jax.distributed): JAX's preemption service
+    owns SIGTERM and names one step at which every host answers True
+    (``multihost_utils.reached_preemption_sync_point``; orbax's ``should_save`` saves there too), so
+    all hosts save the same step. ``at(step)`` is called once per step on every process."""
+
+    def __enter__(self) -> "StopRequest":
+        self.signalled = False
+        self._previous = None
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self.signalled = True
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def at(self, step: int) -> bool:
+        if jax.process_count() == 1:
+            return self.signalled
+        from jax.experimental import multihost_utils
+
+        try:
+            return multihost_utils.reached_preemption_sync_point(step)
+        except RuntimeError:   # the preemption service is off (jax_enable_preemption_service=False)
+            return False
+
+
 def train_means(fetched: list[dict]) -> dict[str, float]:
     """``train/<name>``: the mean of each metric over the fetched steps (or updates)."""
     return {f"train/{k}": float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
@@ -188,7 +224,7 @@ class Run:
         progress = Progress(total, int(state.step))
         window, window_start = [], time.perf_counter()
         try:
-            with jax.set_mesh(self.mesh):
+            with jax.set_mesh(self.mesh), StopRequest() as stop:
                 for step in range(int(state.step) + 1, total + 1):
                     state, metrics = step_fn(state, step)
                     window.append(metrics)
@@ -205,8 +241,12 @@ class Run:
                     self.check_finite(state, step)
                     if evaluate is not None and step % eval_every == 0 and step != total:
                         self.writer.write(step, evaluate(state))
+                    stopping = stop.at(step) and step != total
                     self.checkpointer.save(step, state, data_iterator=self.data_iterator, config=config.to_dict(),
-                                           run=self.run_record, force=step == total)
+                                           run=self.run_record, force=step == total or stopping)
+                    if stopping:
+                        self.checkpointer.wait()
+                        raise Preempted(step, self.workdir / "checkpoints")
                 self.checkpointer.wait()
         except KeyboardInterrupt:
             # Ctrl-C: a checkpoint being written is finished first (else orbax's commit threads die with the

@@ -22,6 +22,7 @@ import difflib
 import importlib
 import logging
 import pathlib
+import signal
 import sys
 
 from absl import app, flags
@@ -142,7 +143,7 @@ def main(argv: list[str]) -> None:
         sys.exit(f"error: {problem}")
     from caper_jax.data.spider import DataError
     from caper_jax.data.world import WorldError
-    from caper_jax.utils.errors import CheckpointError, NonFiniteLossError
+    from caper_jax.utils.errors import CheckpointError, NonFiniteLossError, Preempted
 
     try:
         trainer.run(config, _WORKDIR.value)
@@ -151,6 +152,9 @@ def main(argv: list[str]) -> None:
     # kept producing non-finite losses. Their messages say what to do; a traceback adds nothing.
     except (WorldError, DataError, CheckpointError, NonFiniteLossError) as e:
         sys.exit(f"error: {e}")
+    except Preempted as e:
+        print(f"preempted: {e}", file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
     except KeyboardInterrupt:
         print(f"interrupted: training stopped; the newest whole checkpoint in {_WORKDIR.value}/checkpoints is "
               "kept, and the same command resumes from it", file=sys.stderr)

@@ -192,6 +192,35 @@ def test_a_run_resumed_past_its_total_steps_is_refused(tmp_path):
     assert int(state.step) == 5
 
 
+def test_sigterm_saves_the_current_step_and_stops(tmp_path):
+    """A preemption notice (a real SIGTERM to this process) during step 3: the step is finished and saved
+    although ckpt_every=2 would not save it, the run stops with Preempted, SIGTERM's handler is given
+    back, and the same run resumes at step 3."""
+    import os
+    import signal
+
+    from caper_jax import checkpoint as ckpt_lib
+    from caper_jax.utils.errors import Preempted
+
+    run, state = _toy_run(tmp_path)
+    handler = signal.getsignal(signal.SIGTERM)
+
+    def preempted(state, step):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return _count(state, step)
+
+    with pytest.raises(Preempted, match="stopped by SIGTERM after saving step 3") as stopped:
+        run.train(state, preempted, log_line=lambda s: "")
+    assert stopped.value.step == 3 and signal.getsignal(signal.SIGTERM) is handler
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    assert ckpt_lib.verify(ckpt_dir / "3") is None, sorted(ckpt_dir.iterdir())
+    run.checkpointer.close()
+    run, state = _toy_run(tmp_path)
+    assert int(state.step) == 3 and float(state.params["w"][0]) == 3.0
+    run.checkpointer.close()
+
+
 def test_ctrl_c_finishes_the_checkpoint_being_written(tmp_path):
     """Ctrl-C right after a save used to leave <step>.orbax-checkpoint-tmp (the step lost) and orbax's
     commit threads printing tracebacks as the interpreter shut down; the save in flight is now finished."""

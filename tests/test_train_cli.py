@@ -75,3 +75,39 @@ def test_dry_run_check_accepts_the_reproduction_configs():
 
     for config in (reproduce.get_config(), reproduce.get_config("full"), spider_verifier.get_config()):
         check_dry_run(config)
+
+
+@pytest.mark.slow   # a real training process, stopped by a real SIGTERM
+def test_sigterm_saves_the_step_it_is_on_and_exits_143(tmp_path):
+    """A scheduler's preemption notice: the step in progress is finished and saved (ckpt_every=1000 saves
+    only the first), one line says so and the exit status is 128 + SIGTERM (resuming from it:
+    tests/test_loop.py)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import REPO
+
+    workdir = tmp_path / "w"
+    command = [sys.executable, "-m", "caper_jax.train", "--config=configs/prm.py:steps=1000",
+               "--config.data.demo_train_size=40", "--config.data.demo_dev_size=10", "--config.data.batch_size=8",
+               "--config.data.max_len=128", "--config.data.bucket_lengths=(128,)", "--config.data.max_eval_tuples=8",
+               "--config.data.eval_batch_size=8", "--config.log_every=1", "--config.ckpt_every=1000",
+               "--config.eval_every=1000", f"--workdir={workdir}"]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved[-1] >= 2, saved    # (orbax also saves the first step)
+    assert f"preempted: stopped by SIGTERM after saving step {saved[-1]} in" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert logged[-1] == saved[-1]

@@ -19,3 +19,13 @@ class CheckpointError(ValueError):
 
 class NonFiniteLossError(RuntimeError):
     """The run kept producing non-finite losses or gradients (SFT, PRM and GRPO trainers)."""
+
+
+class Preempted(Exception):
+    """SIGTERM (a scheduler's preemption notice) stopped the run after it saved a checkpoint at ``step``
+    in ``directory``; the same command resumes from there (``caper_jax.loop.Run.train``)."""
+
+    def __init__(self, step: int, directory):
+        super().__init__(f"stopped by SIGTERM after saving step {step} in {directory}; the same command "
+                         "resumes from it")
+        self.step = step
