@@ -159,6 +159,29 @@ def test_two_processes_match_one_and_resume_after_sigkill(tmp_path):
         np.testing.assert_allclose(exported[name], value, atol=WEIGHT_ATOL, err_msg=name)
 
 
+@pytest.mark.slow   # two real training processes and a real SIGTERM
+def test_sigterm_to_one_host_makes_every_host_save_the_same_step(tmp_path):
+    """A preemption notice reaches one host only: JAX's preemption service names one step at which every
+    host saves (caper_jax.loop.StopRequest), and each stops with the same one line, status 143."""
+    workdir, logs = tmp_path / "w", tmp_path / "logs"
+    workdir.mkdir()
+    args = [arg if not arg.startswith("--config=") else "--config=configs/prm.py:steps=1000" for arg in CONFIG_ARGS]
+    args = [arg for arg in args if not arg.startswith("--config.ckpt_every")] + ["--config.ckpt_every=1000"]
+    proc = subprocess.Popen(["bash", str(REPO / "launch" / "local.sh"), "-n", "2", "-d", "4", "-l", str(logs), "--",
+                             sys.executable, "-m", "caper_jax.train", *args, f"--workdir={workdir}"],
+                            cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = workdir / "metrics.jsonl"
+    _wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, proc, "two logged steps")
+    os.kill(int((logs / "process_1.pid").read_text()), signal.SIGTERM)
+    out, _ = proc.communicate(timeout=TIMEOUT_S)
+    lines = {i: [line for line in (logs / f"process_{i}.log").read_text().splitlines()
+                 if line.startswith("preempted:")] for i in (0, 1)}
+    assert len(lines[0]) == len(lines[1]) == 1 and lines[0] == lines[1], (lines, out[-3000:])
+    step = int(lines[0][0].split("saving step ")[1].split()[0])
+    assert _committed(workdir / "checkpoints", step) and step >= 2, sorted((workdir / "checkpoints").iterdir())
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------
 # Cluster launchers, run against stand-ins for scontrol/srun/gcloud that record what they are asked.
 
