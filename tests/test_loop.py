@@ -108,6 +108,8 @@ def test_a_resumed_run_logs_no_step_twice(tmp_path):
     run.finish(None, curves=[], png="loss.png", title="toy")
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "5")
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [2, 4, 5]
+    with (tmp_path / "run" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 6, "train/lo')          # the half-written line of a killed process
 
     run, state = _toy_run(tmp_path, total_steps=7)
     assert int(state.step) == 4

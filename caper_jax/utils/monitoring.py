@@ -62,7 +62,7 @@ class MetricWriter:
 
         if self.path.exists():
             lines = self.path.read_text().splitlines(keepends=True)
-            kept = [line for line in lines if not line.strip() or json.loads(line)["step"] <= step]
+            kept = [line for line in lines if _step_of(line) <= step]
             if len(kept) != len(lines):
                 write_text_atomic(self.path, "".join(kept))
         self.close()
@@ -72,6 +72,14 @@ class MetricWriter:
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics.jsonl line; infinity for a line a killed process left half written."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:
