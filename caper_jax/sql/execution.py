@@ -159,28 +159,38 @@ _LEADING_INT = re.compile(r"\s*[-+]?\d+")
 _PRINTF_SPEC = re.compile(r"%[-+ #0!,]*(\*|\d*)(?:\.(\*|\d*))?l{0,2}([a-zA-Z%])")
 
 
+def _star_width(value) -> int:
+    """A ``*`` width or precision as SQLite reads its argument (sqlite3_value_int64), made non-negative."""
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    if isinstance(value, str):
+        return abs(int(m.group())) if (m := _LEADING_INT.match(value)) else 0
+    if isinstance(value, float):
+        if value != value:
+            return 0
+        return _MAX_VALUE_BYTES + 1 if abs(value) == float("inf") else abs(int(value))
+    return abs(value) if isinstance(value, int) else 0
+
+
+def _printf_size(fmt: str, args: tuple) -> int:
+    """The sum of the format's widths and precisions, ``*`` ones read from ``args`` in order."""
+    used = total = 0
+    for spec in _PRINTF_SPEC.finditer(fmt):
+        for part in spec.group(1, 2):
+            if part == "*":
+                total += _star_width(args[used] if used < len(args) else 0)
+                used += 1
+            else:
+                total += int(part) if part else 0
+        used += spec.group(3) != "%"
+    return total
+
+
 def _bounded_printf(delegate: sqlite3.Connection):
     def printf(fmt=None, *args):
         text = fmt.decode("utf-8", "replace") if isinstance(fmt, bytes) else fmt   # SQLite reads a blob as text
-        if isinstance(text, str):
-            used = total = 0
-            for spec in _PRINTF_SPEC.finditer(text):
-                for part in spec.group(1, 2):
-                    if part == "*":   # the next argument, as SQLite reads it (sqlite3_value_int64)
-                        value, used = (args[used] if used < len(args) else 0), used + 1
-                        if isinstance(value, bytes):
-                            value = value.decode("utf-8", "replace")
-                        if isinstance(value, str):
-                            value = int(m.group()) if (m := _LEADING_INT.match(value)) else 0
-                        elif isinstance(value, float):
-                            value = 0 if value != value else _MAX_VALUE_BYTES + 1 if abs(value) == float("inf") else value
-                        size = abs(int(value)) if isinstance(value, (int, float)) else 0
-                    else:
-                        size = int(part) if part else 0
-                    total += size
-                    if total > _MAX_VALUE_BYTES:
-                        raise ValueError(f"printf widths and precisions add up past {_MAX_VALUE_BYTES}")
-                used += spec.group(3) != "%"
+        if isinstance(text, str) and _printf_size(text, args) > _MAX_VALUE_BYTES:
+            raise ValueError(f"printf widths and precisions add up past {_MAX_VALUE_BYTES}")
         marks = ", ".join("?" * (1 + len(args)))
         return delegate.execute(f"SELECT printf({marks})", (fmt, *args)).fetchone()[0]
     return printf
@@ -368,7 +378,6 @@ class Executor:
             return ExecResult(error_kind="too_many_rows", error=f"more than {self.max_rows} rows")
         columns = tuple(d[0] for d in cursor.description or ())
         return ExecResult(rows=tuple(rows), columns=columns)
-
 
     def _fetch(self, cursor: sqlite3.Cursor) -> tuple[list, bool]:
         """Up to max_rows + 1 rows; (rows, True) as soon as their text/blob bytes pass max_result_bytes."""
