@@ -7,7 +7,8 @@
     python -m caper_jax.train --config=configs/reproduce.py --workdir=runs/reproduce   # the whole experiment
 
 ``--config.a.b=value`` overrides any field; an unknown key or a value of the wrong type is refused with a
-clear message before anything is built or compiled. ``config.trainer`` picks the loop; each loop is a
+clear message before anything is built or compiled. Exit status: 0 done, 2 a bad command line, config, workdir or input (one ``error:`` line on stderr), 1 a
+run stopped by non-finite losses, 130 Ctrl-C, 143 SIGTERM (after saving the current step). ``config.trainer`` picks the loop; each loop is a
 module with ``validate(config)`` (raises ValueError on a bad value, before anything is built),
 ``run(config, workdir)`` and ``dry_run(config)``.
 """
@@ -29,6 +30,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from caper_jax.parallel import multihost
+from caper_jax.utils.cli import config_load_error, usage_error
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/prm.py[:arg].",
                                           lock_config=True)
@@ -79,10 +81,10 @@ def parse_flags(argv: list[str]) -> list[str]:
         for key in bad:
             if known and key not in known:
                 close = difflib.get_close_matches(key, known, n=3)
-                lines.append(f"error: unknown config key {key!r}" + (f"; did you mean {close}?" if close else ""))
-        sys.exit("\n".join(lines) or f"error: bad config: {e}")
+                lines.append(f"unknown config key {key!r}" + (f"; did you mean {close}?" if close else ""))
+        usage_error("\nerror: ".join(lines) or f"bad config: {e}")
     except flags.Error as e:
-        sys.exit(f"error: {e}")
+        usage_error(str(e))
 
 
 def workdir_problem(workdir: str) -> str | None:
@@ -113,14 +115,12 @@ def main(argv: list[str]) -> None:
     # orbax and grain log every checkpoint phase at INFO through absl; keep the run's own lines readable.
     logging.getLogger("absl").setLevel(logging.WARNING)
     config = _CONFIG.value
-    from caper_jax.utils.cli import config_load_error
-
     if (problem := config_load_error(config)) is not None:   # a missing config file: one line, not a traceback
-        sys.exit(f"error: {problem}")
+        usage_error(problem)
     if config is None:
-        sys.exit("error: --config is required, e.g. --config=configs/prm.py")
+        usage_error("--config is required, e.g. --config=configs/prm.py")
     if config.trainer not in TRAINERS:
-        sys.exit(f"error: config.trainer={config.trainer!r}; known trainers: {sorted(TRAINERS)}")
+        usage_error(f"config.trainer={config.trainer!r}; known trainers: {sorted(TRAINERS)}")
     trainer = importlib.import_module(TRAINERS[config.trainer])
     # Before anything touches a JAX backend (validate counts devices): a multi-process run must
     # join jax.distributed first, or every process sees only its own devices.
@@ -132,15 +132,15 @@ def main(argv: list[str]) -> None:
 
             check_dry_run(config)
     except (ValueError, KeyError) as e:
-        sys.exit(f"error: invalid config: {e}")
+        usage_error(f"invalid config: {e}")
     if _DRY_RUN.value:
         trainer.dry_run(config)
         return
     if not _WORKDIR.value:
-        sys.exit("error: --workdir is required (checkpoints, metrics and exports go there)")
+        usage_error("--workdir is required (checkpoints, metrics and exports go there)")
     problem = workdir_problem(_WORKDIR.value)
     if problem:
-        sys.exit(f"error: {problem}")
+        usage_error(problem)
     from caper_jax.data.spider import DataError
     from caper_jax.data.world import WorldError
     from caper_jax.utils.errors import CheckpointError, NonFiniteLossError, Preempted
@@ -148,9 +148,12 @@ def main(argv: list[str]) -> None:
     try:
         trainer.run(config, _WORKDIR.value)
     # Bad inputs found when the run opens them: data.dir not a usable layout or a malformed split file,
-    # a run to start from (or resume) that is missing, damaged or of another model; and a run that
-    # kept producing non-finite losses. Their messages say what to do; a traceback adds nothing.
-    except (WorldError, DataError, CheckpointError, NonFiniteLossError) as e:
+    # a run to start from (or resume) that is missing, damaged or of another model. Their messages say
+    # what to do; a traceback adds nothing. Exit status 2, as for a bad command line and as the other
+    # commands give a bad input; 1 is a run that failed in itself (non-finite losses).
+    except (WorldError, DataError, CheckpointError) as e:
+        usage_error(str(e))
+    except NonFiniteLossError as e:
         sys.exit(f"error: {e}")
     except Preempted as e:
         print(f"preempted: {e}", file=sys.stderr)

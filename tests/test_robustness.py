@@ -582,8 +582,8 @@ app.run(train.main, flags_parser=train.parse_flags)
 
 
 @pytest.mark.parametrize("raises, status, message", [
-    ("data", 1, "error: /x/dev.json example 2 lacks string field(s)"),
-    ("checkpoint", 1, "error: checkpoint /w/checkpoints/6 does not fit"),
+    ("data", 2, "error: /x/dev.json example 2 lacks string field(s)"),
+    ("checkpoint", 2, "error: checkpoint /w/checkpoints/6 does not fit"),
     ("nonfinite", 1, "error: step 4: 3 consecutive non-finite losses"),
     ("interrupt", 130, "interrupted: training stopped; the newest whole checkpoint in"),
 ])

@@ -33,7 +33,7 @@ from tests.helpers import run_train
 ])
 def test_bad_config_is_one_clear_error(args, message, tmp_path):
     result = run_train(*args, tmp_path=tmp_path)
-    assert result.returncode != 0
+    assert result.returncode == 2, "a refused command line exits with the usage status, as every other command"
     assert message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "w").exists(), "nothing may be written for a refused config"
@@ -43,7 +43,7 @@ def test_dry_run_refuses_an_unknown_preset_even_with_an_hf_dir(tmp_path):
     """model.hf_dir lets a run through whatever the preset; a dry run compiles the preset's shapes."""
     result = run_train("--config=configs/prm.py", "--config.model.preset=qwen35_0b", "--config.model.hf_dir=/x",
                        "--dry_run", tmp_path=tmp_path)
-    assert result.returncode != 0
+    assert result.returncode == 2
     assert "invalid config: model.preset='qwen35_0b': a dry run compiles a preset's shapes" in result.stderr, \
         result.stderr[-2000:]
     assert "Traceback" not in result.stderr
@@ -54,7 +54,7 @@ def test_a_forked_run_answers_as_the_command_line_does(tmp_path):
     (a fresh interpreter) must give the same exit status and the same output."""
     args = ("--config=configs/prm.py", "--config.optim.lrr=1")
     forked, fresh = run_train(*args, tmp_path=tmp_path), run_train(*args, tmp_path=tmp_path, fresh=True)
-    assert fresh.returncode == forked.returncode != 0
+    assert fresh.returncode == forked.returncode == 2
     assert (fresh.stdout, fresh.stderr) == (forked.stdout, forked.stderr)
     assert "unknown config key 'optim.lrr'" in fresh.stderr and "Traceback" not in fresh.stderr
 
@@ -63,7 +63,7 @@ def test_a_data_dir_without_a_layout_is_one_clear_error(tmp_path):
     """Whether data.dir holds a Spider/BIRD layout is found when the run opens it: one line, no traceback."""
     result = run_train("--config=configs/prm.py", "--config.data.kind=spider", f"--config.data.dir={tmp_path / 'none'}",
                        f"--config.model.tokenizer_dir={tmp_path}", tmp_path=tmp_path)
-    assert result.returncode != 0
+    assert result.returncode == 2
     assert f"error: data.dir {tmp_path / 'none'} does not exist" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
 
