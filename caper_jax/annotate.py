@@ -11,7 +11,7 @@
         The TFDS ArrayRecord dataset, with a progress bar and a final summary. ``--beam`` annotates
         in an Apache Beam pipeline (local DirectRunner by default; docs/scale.md).
 
-A malformed input line (not UTF-8, not JSON, a lone surrogate such as ``"\ud800"``, not an object, a
+A malformed input line (not UTF-8, not JSON, a lone surrogate such as ``"\\ud800"``, not an object, a
 required field missing or not a string, a gold query that does not run) is reported on stderr with
 its line number and skipped; so is a line on which annotation itself fails (reported as an internal
 error, with the exception). The other lines are still written. Annotation settings (alpha, sigma,
