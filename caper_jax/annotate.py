@@ -239,7 +239,8 @@ def check_build(config: ConfigDict, *, beam: bool) -> None:
     """What ``build`` can refuse before any work: raises ValueError with one line."""
     limit = config.data.limit
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-        raise ValueError(f"data.limit={limit!r}: must be an integer >= 0 (0 = all trajectories)")
+        raise ValueError(f"data.limit={limit!r}: must be an integer >= 0 (per split, at most N questions and "
+                         "N prediction lines; 0 = all)")
     if config.data.manual_dir and not pathlib.Path(config.data.manual_dir).is_dir():
         raise ValueError(f"data.manual_dir={config.data.manual_dir!r} is not a directory")
     if config.data_dir:

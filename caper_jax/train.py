@@ -7,10 +7,12 @@
     python -m caper_jax.train --config=configs/reproduce.py --workdir=runs/reproduce   # the whole experiment
 
 ``--config.a.b=value`` overrides any field; an unknown key or a value of the wrong type is refused with a
-clear message before anything is built or compiled. Exit status: 0 done, 2 a bad command line, config, workdir or input (one ``error:`` line on stderr), 1 a
-run stopped by non-finite losses, 130 Ctrl-C, 143 SIGTERM (after saving the current step). ``config.trainer`` picks the loop; each loop is a
+clear message before anything is built or compiled. ``config.trainer`` picks the loop; each loop is a
 module with ``validate(config)`` (raises ValueError on a bad value, before anything is built),
 ``run(config, workdir)`` and ``dry_run(config)``.
+
+Exit status: 0 done; 2 a bad command line, config, workdir or input (one ``error:`` line on stderr);
+1 a run stopped by non-finite losses; 130 Ctrl-C; 143 SIGTERM (after saving the current step).
 """
 from __future__ import annotations
 

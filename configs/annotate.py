@@ -17,7 +17,8 @@ train_databases/; the :bird variant sets BIRD's semantics and a query budget of 
         --config.data.manual_dir=/data/bird/dev --config.data_dir=/tmp/caper_tfds
 
 Variants (``:arg``, comma separated): ``spider`` | ``demo`` | ``bird`` (data source), ``limit=N``
-(at most N trajectories per split, 0 = all), ``per_query=K``.
+(per split, at most N gold questions and at most N lines of its predictions file, so up to 2N
+trajectories; 0 = all), ``per_query=K``.
 
 Defaults and why (docs/annotation.md has the full argument):
   alpha = 1.0         penalty at v*; the scale of every margin. 1 keeps margins in (0, 1].
@@ -55,7 +56,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.data = ConfigDict()
     c.data.manual_dir = ""                       # Spider/BIRD layout; demo: built here when empty
     c.data.splits = ("dev",) if not arg.demo else ("train", "dev")
-    c.data.limit = arg.limit                     # trajectories per split (0 = all)
+    c.data.limit = arg.limit                     # per split: N questions + N prediction lines (0 = all)
     c.data.predictions = True                    # also read predictions_<split>.jsonl if present
     c.data.demo_seed = 0
     # "" = the layout's database folders (caper_jax/data/spider.py: database/, <split>_databases/,
