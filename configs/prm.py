@@ -79,7 +79,9 @@ def get_config(arg: str | None = None) -> ConfigDict:
     # param_dtype; tied embeddings); the score head starts fresh.
     c.model.init_from = ""
     c.model.tokenizer_dir = ""                # default: hf_dir, or the demo tokenizer
-    c.model.dtype = "float32"                 # compute dtype
+    # Compute dtype: 9B computes in bfloat16 over fp32 parameters (as configs/sft.py and grpo.py do), the
+    # setting its memory plan in docs/scale.md assumes; the small presets stay in fp32.
+    c.model.dtype = "bfloat16" if arg.model == "qwen35_9b" else "float32"
     c.model.param_dtype = "float32"
     c.model.remat = "none" if arg.model != "qwen35_9b" else "layers"   # 9B: fits 16-way FSDP on 16 GiB (docs/scale.md)
 
