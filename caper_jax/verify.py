@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Sequence
 
 from absl import app, flags
@@ -29,6 +30,7 @@ from caper_jax.eval.ex import DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, data_inputs
 from caper_jax.prm.aggregates import AGGREGATES
 from caper_jax.sql.semantics import SEMANTICS
 from caper_jax.utils import atomic, cli
+from caper_jax.utils import summary as summary_lib
 
 FLAGS = flags.FLAGS
 
@@ -72,6 +74,7 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> int:
     from caper_jax.prm import scoring
 
     f = flag_values
+    started = time.perf_counter()
     try:
         load_split(f.data, f.split)  # bad data and bad outputs fail before the model is loaded
         if command == "localize":
@@ -96,7 +99,12 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> int:
         where = f" ({error})" if str(error) else ""
         print(f"interrupted{where}: verify stopped; no summary, outputs left as they were", file=sys.stderr)
         return 130
-    print(json.dumps(summary))
+    print(json.dumps(summary), flush=True)
+    seconds = time.perf_counter() - started
+    if command == "localize":   # on stderr: the last stdout line stays the JSON
+        summary_lib.verify_localize_run(results, skipped, f.output_dir, seconds)
+    else:
+        summary_lib.verify_rerank_run(summary, f.candidates, f.semantics, seconds, output=f.output)
     return 0
 
 

@@ -83,3 +83,23 @@ def test_evaluate_ex_summary_goes_to_the_given_stream():
     assert stream.getvalue().strip() == text
     assert "EX (spider_official) finished in 1.0 s: p.sql" in text and "82.8 %" in text and "missing_db 62" in text
     assert "majority vote 40.0 %" in text
+
+
+def test_verify_summaries_show_every_selection_and_no_pairwise_row(tmp_path):
+    rerank = summary.verify_rerank_run(
+        {"n": 4, "first": 0.25, "vote": 0.5, "prm": 0.75, "aggregate": "min", "any": 1.0,
+         "prm_by_aggregate": {"min": 0.75, "vote_min": 0.5}, "excluded": {}, "malformed": 1},
+        "c.jsonl", "spider", 2.0, stream=io.StringIO())
+    header, row = [line.split("  ") for line in rerank.splitlines()[2:4]]
+    assert [c.strip() for c in header if c.strip()] == ["selection (EX)", "first", "majority vote", "PRM min",
+                                                        "PRM vote_min", "any (oracle)"]
+    assert [c.strip() for c in row if c.strip()] == ["4 lines", "25.0 %", "50.0 %", "75.0 %", "50.0 %", "100.0 %"]
+    assert "chosen by: PRM min = 75.0 %; excluded none; malformed lines 1" in rerank
+    (tmp_path / "localization.md").write_text("x")
+    localize = summary.verify_localize_run(
+        {"n": 3, "localization": {"prm": {"top1": 2 / 3, "mrr": 0.8}, "random": {"top1": 0.2, "mrr": 0.5}}},
+        {"correct": 7}, tmp_path, 1.0, stream=io.StringIO())
+    assert "pairwise" not in localize and "skipped correct 7" in localize
+    top1 = next(line for line in localize.splitlines() if line.strip().startswith("top-1"))
+    assert top1.split() == ["top-1", "(3", "failed", "predictions)", "66.7", "%", "20.0", "%"]
+    assert str(tmp_path / "localization.md") in localize

@@ -309,6 +309,9 @@ def test_verify_cli_on_the_demo_world(prm_run, tmp_path, capsys, loaded):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert summary["prm"] == pytest.approx(np.mean([r["correct"] for r in rows]))
     assert all(r["chosen"] != 1 and r["score"] == r["clauses"][-1][1] for r in rows)  # last = final clause
+    # the summary on stderr shows the JSON's figures (docs/evaluation.md: every command ends with one)
+    assert "Rerank (spider) finished in" in captured.err and f"PRM last = {100 * summary['prm']:.1f} %" in captured.err
+    assert f"{100 * summary['any']:.1f} %" in captured.err and str(out) in captured.err
     assert loaded == [(prm_run / "hf_export", {"batch_size": 4, "max_len": 256})]
     code = run_command(verify, "--prm", str(prm_run), "--data", str(tmp_path / "nothing"), "--candidates", str(out))
     assert code == 2 and "error: no 'dev' split" in capsys.readouterr().err
@@ -392,3 +395,7 @@ def test_localize_cli_runs_the_real_prm(prm_run, tmp_path, capsys, loaded):
     results = json.loads((tmp_path / "loc" / "localization.json").read_text())
     assert summary["n"] == results["n"] > 0
     assert 0.0 <= summary["prm_top1"] <= summary["prm_mrr"] <= 1.0
+    top1 = next(line for line in captured.err.splitlines() if line.strip().startswith("top-1"))
+    assert top1.split()[:6] == ["top-1", f"({results['n']}", "failed", "predictions)",
+                                f"{100 * summary['prm_top1']:.1f}", "%"], captured.err
+    assert "Root-cause localisation finished in" in captured.err and str(tmp_path / "loc" / "localization.md") in captured.err

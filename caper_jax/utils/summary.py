@@ -2,7 +2,7 @@
 and where the report, plots, checkpoint and export went.
 
 Each entry point calls one function here as its last step (PRM, SFT and GRPO trainers,
-``caper_jax.reproduce``, ``python -m caper_jax.evaluate``); the figures come from the results dict
+``caper_jax.reproduce``, ``python -m caper_jax.evaluate``, ``python -m caper_jax.verify``); the figures come from the results dict
 the run returns, so the screen and results.json never disagree. Only process 0 prints.
 ``render`` is the pure part (tests read it); ``finish`` prints it and returns the text.
 
@@ -126,13 +126,15 @@ def _first_last(workdir: pathlib.Path, key: str) -> list[tuple[int, float]]:
 
 def localization_rows(pair_accuracy: Any, n_tuples: Any, localization: Mapping[str, Mapping],
                       n_failures: Any) -> list[list[str]]:
-    """The README's table: pairwise accuracy, then top-1 / MRR of the PRM and each baseline."""
+    """The README's table: pairwise accuracy (no row when ``n_tuples`` is None: no pairs were scored),
+    then top-1 / MRR of the PRM and each baseline."""
     known = [m for m in ("heuristic", "execution", "random") if m in localization]   # the README's order
     methods = ["prm", *known, *[m for m in localization if m not in ("prm", *known)]]
     rows = [["held-out metric", *[METHOD_NAMES.get(m, m) for m in methods]]]
     chance = {"random": pct(0.5)} if "random" in methods else {}
-    rows.append([f"pairwise accuracy ({n_tuples} tuples)", pct(pair_accuracy),
-                 *[chance.get(m, "") for m in methods[1:]]])
+    if n_tuples is not None:
+        rows.append([f"pairwise accuracy ({n_tuples} tuples)", pct(pair_accuracy),
+                     *[chance.get(m, "") for m in methods[1:]]])
     for metric, label in (("top1", f"top-1 ({n_failures} failed predictions)"), ("mrr", "MRR")):
         rows.append([label, *[pct(localization.get(m, {}).get(metric)) for m in methods]])
     return rows
@@ -250,5 +252,30 @@ def policy_eval_run(results: Mapping, workdir: str | pathlib.Path, seconds: floa
                          "predictions": workdir / "predictions.jsonl"}, stream=stream or sys.stderr)
 
 
+def verify_rerank_run(summary: Mapping, candidates: str | pathlib.Path, semantics: str, seconds: float | None, *,
+                      output: str | pathlib.Path | None = None, stream: TextIO | None = None) -> str:
+    """End of ``python -m caper_jax.verify [rerank]`` (stderr: stdout's last line stays the JSON)."""
+    by_aggregate = summary.get("prm_by_aggregate", {})
+    table = [["selection (EX)", "first", "majority vote", *[f"PRM {how}" for how in by_aggregate], "any (oracle)"],
+             [f"{summary.get('n')} lines", pct(summary.get("first")), pct(summary.get("vote")),
+              *[pct(v) for v in by_aggregate.values()], pct(summary.get("any"))]]
+    lines = [f"chosen by: PRM {summary.get('aggregate')} = {pct(summary.get('prm'))}; excluded "
+             f"{_counts(summary.get('excluded'))}; malformed lines {summary.get('malformed')}"]
+    return finish(f"Rerank ({semantics})", seconds=seconds, where=candidates, table=table, lines=lines,
+                  files={"per-line choices": output}, stream=stream or sys.stderr)
+
+
+def verify_localize_run(results: Mapping, skipped: Mapping, output_dir: str | pathlib.Path, seconds: float | None, *,
+                        stream: TextIO | None = None) -> str:
+    """End of ``python -m caper_jax.verify localize`` (stderr, like rerank)."""
+    output_dir = pathlib.Path(output_dir)
+    rows = localization_rows(None, None, results.get("localization", {}), results.get("n"))   # no pairs here
+    return finish("Root-cause localisation", seconds=seconds, where=output_dir, table=rows,
+                  lines=[f"skipped {_counts(skipped)}"],
+                  files={"report": output_dir / "localization.md", "results": output_dir / "localization.json",
+                         "plots": sorted(output_dir.glob("*.png"))}, stream=stream or sys.stderr)
+
+
 __all__ = ["duration", "evaluate_ex_run", "finish", "latest_checkpoint", "localization_rows", "pct",
-           "policy_eval_run", "policy_run", "prm_run", "render", "reproduce_run"]
+           "policy_eval_run", "policy_run", "prm_run", "render", "reproduce_run", "verify_localize_run",
+           "verify_rerank_run"]
