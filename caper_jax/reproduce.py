@@ -900,7 +900,9 @@ def run_verifier(config: ConfigDict, workdir: str) -> dict:
     from caper_jax.prm import trainer as prm_trainer
     from caper_jax.sft import trainer as sft_trainer
     from caper_jax.sql.execution import Executors
+    from caper_jax.utils import summary as summary_lib
 
+    started = time.perf_counter()
     out = pathlib.Path(workdir)
     clock = start_stages(out)
     view = out / "spider"
@@ -938,6 +940,7 @@ def run_verifier(config: ConfigDict, workdir: str) -> dict:
         results["seconds"] = dict(clock.seconds)
         write_verifier_report(results, out)
     multihost.log_main("results: %s", out / "results.md")
+    summary_lib.spider_verifier_run(results, out, time.perf_counter() - started)
     return results
 
 

@@ -60,6 +60,12 @@ def test_fast_verifier_runs_every_stage(tmp_path):
     md = (out / "results.md").read_text()
     assert "| MV@6 |" in md and "(picked on train)" in md and "| oracle@6 |" in md
     assert "training questions' samples that the PRM never trained on" in md
+    # The run ends with its own summary (the last block on stdout), its figures those of results.json.
+    last_block = run.stdout.rstrip().split("=" * 78 + "\n")[-1]
+    assert last_block.startswith("Spider verifier finished in"), run.stdout[-3000:]
+    pool_row = next(line for line in last_block.splitlines() if line.strip().startswith("the systems' pool"))
+    assert pool_row.split()[3:5] == [f"{100 * results['first']:.1f}", "%"]
+    assert pool_row.split()[-2:] == [f"{100 * results['oracle']:.1f}", "%"]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -53,7 +53,7 @@ def test_policy_summary_greedy_ex_and_how_training_moved(tmp_path):
     assert "GRPO (clause) run finished in 12.0 s" in text
     assert "held-out dev (40 questions)" in text and "30.0 %" in text and "90.0 %" in text
     assert "rollout EX (sampled groups): 25.0 % (step 1) -> 37.5 % (step 2)" in text
-    assert "mean reward: -0.5000 (step 1)\n" in text + "\n"   # logged once
+    assert "mean execution reward: -0.5000 (step 1)\n" in text + "\n"   # logged once
     text = summary.policy_run("SFT", {"steps": 3}, tmp_path / "none", 1.0, stream=io.StringIO())
     assert "no end-of-run EX" in text and "checkpoint" not in text
 
@@ -103,3 +103,17 @@ def test_verify_summaries_show_every_selection_and_no_pairwise_row(tmp_path):
     top1 = next(line for line in localize.splitlines() if line.strip().startswith("top-1"))
     assert top1.split() == ["top-1", "(3", "failed", "predictions)", "66.7", "%", "20.0", "%"]
     assert str(tmp_path / "localization.md") in localize
+
+
+def test_spider_verifier_summary_marks_the_picked_reranker(tmp_path):
+    text = summary.spider_verifier_run(
+        {"localization": {"prm": {"top1": 0.5, "mrr": 0.75, "n": 8, "sees_gold": False},
+                          "heuristic": {"top1": 0.25, "mrr": 0.5, "n": 8, "sees_gold": True}},
+         "pair_accuracy": 0.625, "k": 6, "n_dev": 10, "first": 0.7, "mv": 0.8, "oracle": 0.9,
+         "rerank": {"min": 0.6, "vote_min": 0.8}, "rerank_aggregate": "vote_min", "ex_alone": {"a.sql": 0.4}},
+        tmp_path, 3.0, stream=io.StringIO())
+    rows = {line.strip().split("  ")[0]: line.split() for line in text.splitlines()}
+    assert rows["top-1 (8 failed predictions)"][-4:] == ["50.0", "%", "25.0", "%"]
+    assert "PRM vote_min (picked)" in text and "PRM min (picked)" not in text
+    assert rows["the systems' pool"][3:] == ["70.0", "%", "80.0", "%", "60.0", "%", "80.0", "%", "90.0", "%"]
+    assert "reference only): heuristic" in text and "each system alone: a.sql 40.0 %" in text

@@ -2,8 +2,9 @@
 and where the report, plots, checkpoint and export went.
 
 Each entry point calls one function here as its last step (PRM, SFT and GRPO trainers,
-``caper_jax.reproduce``, ``python -m caper_jax.evaluate``, ``python -m caper_jax.verify``); the figures come from the results dict
-the run returns, so the screen and results.json never disagree. Only process 0 prints.
+``caper_jax.reproduce`` and its Spider verifier, ``python -m caper_jax.evaluate``, ``python -m
+caper_jax.verify``); the figures come from the results dict the run returns, so the screen and
+results.json never disagree. Only process 0 prints.
 ``render`` is the pure part (tests read it); ``finish`` prints it and returns the text.
 
     ======================================================================
@@ -168,7 +169,8 @@ def policy_run(kind: str, results: Mapping, workdir: str | pathlib.Path, seconds
     lines = [] if table else ["no end-of-run EX (eval.num_examples = 0); "
                               "python -m caper_jax.evaluate --config=configs/eval.py evaluates a policy workdir"]
     for key, label, as_pct in (("rollout/ex", "rollout EX (sampled groups)", True),
-                               ("rollout/reward_mean", "mean reward", False), ("train/loss", "train loss", False)):
+                               ("rollout/reward_mean", "mean execution reward", False),
+                               ("train/loss", "train loss", False)):
         logged = _first_last(workdir, key)
         if logged:
             lines.append(f"{label}: " + " -> ".join(f"{pct(v) if as_pct else f'{v:.4f}'} (step {step})"
@@ -211,6 +213,31 @@ def reproduce_run(results: Mapping, out: str | pathlib.Path, seconds: float | No
                          "plots": [out / "grpo_curves.png", out / "localization_per_clause.png"],
                          "checkpoint": [latest_checkpoint(run) for run in runs],
                          "export": [run / "hf_export" for run in runs],
+                         "stage times": out / "stage_seconds.json"}, stream=stream)
+
+
+def spider_verifier_run(results: Mapping, out: str | pathlib.Path, seconds: float | None, *,
+                        stream: TextIO | None = None) -> str:
+    """End of the plug-and-play verifier run (configs/spider_verifier.py): localisation of the systems'
+    real failures against the baselines, then EX of the candidate pool by each selection."""
+    out = pathlib.Path(out)
+    localization = results.get("localization", {})
+    table = localization_rows(results.get("pair_accuracy"), "held-out", localization,
+                              localization.get("prm", {}).get("n"))
+    k, picked = results.get("k"), results.get("rerank_aggregate")
+    rerank = results.get("rerank", {})
+    pool = [["selection (EX, " + f"{results.get('n_dev')} dev questions)", "first", f"MV@{k}",
+             *[f"PRM {how}" + (" (picked)" if how == picked else "") for how in rerank], f"oracle@{k}"],
+            ["the systems' pool", pct(results.get("first")), pct(results.get("mv")), *[pct(v) for v in rerank.values()],
+             pct(results.get("oracle"))]]
+    sees_gold = [m for m, b in localization.items() if b.get("sees_gold")]
+    lines = [f"baselines that see the gold (reference only): {', '.join(sees_gold)}"] if sees_gold else []
+    alone = results.get("ex_alone", {})
+    if alone:
+        lines.append("each system alone: " + ", ".join(f"{name} {pct(ex)}" for name, ex in alone.items()))
+    return finish("Spider verifier", seconds=seconds, where=out, tables=[table, pool], lines=lines,
+                  files={"report": out / "results.md", "results": out / "results.json",
+                         "checkpoint": [latest_checkpoint(out / "sft"), latest_checkpoint(out / "prm")],
                          "stage times": out / "stage_seconds.json"}, stream=stream)
 
 
@@ -277,5 +304,5 @@ def verify_localize_run(results: Mapping, skipped: Mapping, output_dir: str | pa
 
 
 __all__ = ["duration", "evaluate_ex_run", "finish", "latest_checkpoint", "localization_rows", "pct",
-           "policy_eval_run", "policy_run", "prm_run", "render", "reproduce_run", "verify_localize_run",
-           "verify_rerank_run"]
+           "policy_eval_run", "policy_run", "prm_run", "render", "reproduce_run", "spider_verifier_run",
+           "verify_localize_run", "verify_rerank_run"]
