@@ -279,7 +279,8 @@ def run(config, workdir: str) -> dict:
                 **{f"rollout/{k}": float(v) for k, v in last["unit_stats"].items()}, **last["rollout"]}
 
     def log_line(s):
-        return (f"  reward {s['rollout/reward_mean']:.3f}  EX {s['rollout/ex']:.3f}  parse {s['rollout/parse_rate']:.2f}"
+        return (f"  exec reward {s['rollout/reward_mean']:.3f}  EX {s['rollout/ex']:.3f}"
+                f"  parse {s['rollout/parse_rate']:.2f}"
                 f"  kl {s.get('train/kl_ref', 0.0):.4f}  clip {s['train/clip_frac_low'] + s['train/clip_frac_high']:.3f}"
                 f"  |A| {s['rollout/abs_advantage']:.3f}")
 
