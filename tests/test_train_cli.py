@@ -111,3 +111,21 @@ def test_sigterm_saves_the_step_it_is_on_and_exits_143(tmp_path):
     assert "Traceback" not in stderr
     logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert logged[-1] == saved[-1]
+
+
+def test_prm_dry_run_reports_the_step_it_compiles(tmp_path):
+    """The tiny PRM's dry run: its parameter count is the preset model's (built here for real), and the
+    batch it describes includes the within-trajectory groups the step compiles."""
+    import jax
+    from flax import nnx
+
+    from caper_jax.models.presets import model_preset
+    from caper_jax.prm.model import ClausePRM
+
+    result = run_train("--config=configs/prm.py", "--dry_run", tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    prm = ClausePRM(model_preset("tiny"), rngs=nnx.Rngs(0))
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(prm, nnx.Param)))
+    assert f"parameters         {n_params:,} " in result.stdout, result.stdout
+    assert "preset tiny (vocabulary 256, the preset's: a run uses its tokenizer's)" in result.stdout
+    assert "global batch 8 pairs + 16 within-trajectory groups x 384 tokens" in result.stdout

@@ -278,7 +278,10 @@ def dry_run(config) -> dict:
     def train_step(graphdef, tx):
         return step_lib.jit_steps(graphdef, tx, loss_config(config), lm_cfg=lm_config(config))[0]
 
+    groups = f" + {config.data.within_batch_size} within-trajectory groups" if config.data.within_batch_size else ""
+    vocab = loop.dry_run_architecture(config).vocab_size
     return loop.dry_run(
         config, ClausePRM, train_step, batch,
-        f"Clause-PRM train step: preset {config.model.preset}, global batch {b} pairs x {length} tokens, "
-        f"remat {config.model.remat}, params {config.model.param_dtype}, compute {config.model.dtype}")
+        f"Clause-PRM train step: preset {config.model.preset} (vocabulary {vocab}, the preset's: a run uses its "
+        f"tokenizer's), global batch {b} pairs{groups} x {length} tokens, remat {config.model.remat}, "
+        f"params {config.model.param_dtype}, compute {config.model.dtype}")
