@@ -65,16 +65,9 @@ def define_flags() -> None:
                         "build --beam: Beam pipeline options (default: local DirectRunner, one worker per core).")
 
 
-# Errors of a config file or of its --config.<key> overrides, raised while the flags are parsed
-# (a key typo is an AttributeError, an unknown ``:arg`` a KeyError, a bad value a ValueError).
-CONFIG_ERRORS = (flags.Error, AttributeError, KeyError, ValueError, TypeError)
-
-
 def parse_flags(argv: list[str]) -> list[str]:
     """absl parsing; a bad flag or config override is one line and exit status 2, no traceback."""
-    if any(a == "--config" or a.startswith("--config=") for a in argv):
-        return cli.parse_flags(argv, FLAGS, errors=CONFIG_ERRORS, prefix="error: invalid annotate config")
-    return cli.parse_flags(argv, FLAGS)
+    return cli.parse_flags(argv, FLAGS, config="annotate config")
 
 
 class InputError(ValueError):

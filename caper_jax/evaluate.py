@@ -42,8 +42,6 @@ FLAGS = flags.FLAGS
 
 EX_FLAGS = ("data", "split", "predictions", "semantics", "output", "timeout_s", "max_rows")
 POLICY_FLAGS = ("config", "workdir")
-# Errors of a config file or of its --config.<key> overrides, raised while the flags are parsed.
-CONFIG_ERRORS = (flags.Error, AttributeError, KeyError, ValueError, TypeError)
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS, argv: Sequence[str] | None = None) -> None:
@@ -70,9 +68,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS, argv: Sequence[str] | No
 
 def parse_flags(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> list[str]:
     """absl parsing; a bad flag or config override is one line and exit status 2, no traceback."""
-    if any(a == "--config" or a.startswith("--config=") for a in argv):
-        return cli.parse_flags(argv, flag_values, errors=CONFIG_ERRORS, prefix="error: invalid eval config")
-    return cli.parse_flags(argv, flag_values)
+    return cli.parse_flags(argv, flag_values, config="eval config")
 
 
 def run_ex(flag_values: flags.FlagValues) -> int:

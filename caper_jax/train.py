@@ -21,7 +21,6 @@ if __name__ == "__main__":   # first, before any import allocates: XLA:CPU's per
 
     reexec_with_huge_pages()
 
-import difflib
 import importlib
 import logging
 import pathlib
@@ -32,6 +31,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from caper_jax.parallel import multihost
+from caper_jax.utils import cli
 from caper_jax.utils.cli import config_load_error, usage_error
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/prm.py[:arg].",
@@ -48,45 +48,9 @@ TRAINERS = {
 }
 
 
-def _config_keys(cfg, prefix="") -> list[str]:
-    keys = []
-    for key, value in cfg.items():
-        keys.append(prefix + key)
-        if hasattr(value, "items"):
-            keys.extend(_config_keys(value, prefix + key + "."))
-    return keys
-
-
-def _load_config_file(argv: list[str]):
-    """The ConfigDict named by ``--config=path[:arg]`` in argv, loaded as config_flags does."""
-    import importlib.util
-
-    spec = next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
-    path, _, arg = spec.partition(":")
-    module_spec = importlib.util.spec_from_file_location("_caper_config", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.get_config(arg) if arg else module.get_config()
-
-
 def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing, with config typos turned into one readable line instead of a traceback."""
-    try:
-        return flags.FLAGS(argv)
-    except (AttributeError, KeyError, TypeError) as e:
-        bad = [a.split("=")[0].removeprefix("--config.") for a in argv[1:] if a.startswith("--config.")]
-        try:  # the config file itself loads fine; its keys give the suggestions
-            known = _config_keys(_load_config_file(argv))
-        except Exception:  # noqa: BLE001 - suggestions are best effort only
-            known = []
-        lines = []
-        for key in bad:
-            if known and key not in known:
-                close = difflib.get_close_matches(key, known, n=3)
-                lines.append(f"unknown config key {key!r}" + (f"; did you mean {close}?" if close else ""))
-        usage_error("\nerror: ".join(lines) or f"bad config: {e}")
-    except flags.Error as e:
-        usage_error(str(e))
+    return cli.parse_flags(argv, flags.FLAGS, config="config")
 
 
 def workdir_problem(workdir: str) -> str | None:

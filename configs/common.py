@@ -28,6 +28,9 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
                 raise ValueError(f"config arg {key}={value!r} is not a bool")
             value = value.lower() in ("true", "1")
         elif default is not None:
-            value = type(default)(value)
+            try:
+                value = type(default)(value)
+            except ValueError:
+                raise ValueError(f"config arg {key}={value!r} is not {type(default).__name__}") from None
         result[key] = value
     return result

@@ -121,7 +121,7 @@ def test_eval_config_end_to_end_agrees_with_evaluate_ex(runs, tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--config.policy.hf_dir=/tmp"], "set exactly one of policy.workdir and policy.hf_dir"),
     (["--config.prm.aggregates=('max',)"], "prm.aggregates"),
-    (["--config.sampling.kk=3"], "kk"),
+    (["--config.sampling.kk=3"], "invalid eval config: unknown config key 'sampling.kk'; did you mean ['sampling.k'"),
     (["--config.data.semantics=sql"], "data.semantics='sql'"),
 ])
 def test_bad_eval_config_is_one_clear_error(args, message, runs, tmp_path, capsys):

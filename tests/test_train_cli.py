@@ -8,7 +8,10 @@ from tests.helpers import run_train
     (["--config=configs/prm.py", "--config.optim.lrr=1"],
      "unknown config key 'optim.lrr'; did you mean ['optim.lr'"),
     (["--config=configs/prm.py", "--config.optim.lr=abc"], "could not convert string to float"),
-    (["--config=configs/prm.py:modle=tiny"], "unknown config arg 'modle'"),
+    (["--config=configs/prm.py:modle=tiny"], "error: invalid config: unknown config arg 'modle'; known: ['data'"),
+    (["--config=configs/prm.py", "--workdri=/tmp/x"], "error: Unknown command line flag 'workdri'. Did you mean: workdir"),
+    # config_flags hands back the config file's whole traceback in its error: only its last line is shown
+    (["--config=configs/prm.py:steps=abc"], "Error whilst parsing config file: ValueError: config arg steps='abc' is not int"),
     (["--config=configs/prm.py", "--config.data.kind=bird"], "data.kind='bird'; expected 'demo' or 'spider'"),
     (["--config=configs/prm.py", "--config.loss.form=hinge"], "loss form 'hinge'"),
     (["--config=configs/prm.py", "--config.loss.lm_coef=-1"], "lm_coef must be >= 0, got -1.0"),

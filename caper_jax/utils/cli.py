@@ -10,6 +10,7 @@ module docstring and flag list.
 """
 from __future__ import annotations
 
+import difflib
 import sys
 from collections.abc import Collection, Sequence
 from typing import NoReturn
@@ -19,13 +20,27 @@ from absl import flags
 USAGE_STATUS = 2
 
 
+# Errors of a config file or of its --config.<key> overrides, raised while the flags are parsed
+# (a key typo is an AttributeError, an unknown ``:arg`` a KeyError, a bad value a ValueError).
+CONFIG_ERRORS = (flags.Error, AttributeError, KeyError, ValueError, TypeError)
+
+
 def parse_flags(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS, *,
-                errors: tuple[type[Exception], ...] = (flags.Error,), prefix: str = "error") -> list[str]:
-    """``flag_values(argv)``; any of ``errors`` becomes ``prefix: error`` on stderr and exit status 2."""
+                config: str | None = None) -> list[str]:
+    """``flag_values(argv)``; a flag error becomes one line on stderr and exit status 2.
+
+    ``config``: what the command calls its ``--config`` (a ``config_flags`` file, e.g. "eval config"),
+    when one is given: then an error of the config file or of an override is ``error: invalid <config>:
+    ...``, an unknown key with the closest known ones (``config_override_error``)."""
+    with_config = config is not None and any(a == "--config" or a.startswith("--config=") for a in argv)
     try:
         return flag_values(list(argv))
-    except errors as error:
-        usage_error(str(error), prefix=prefix)
+    except CONFIG_ERRORS as error:
+        if with_config and not isinstance(error, flags.UnrecognizedFlagError):   # --workdri is no config's fault
+            usage_error(f"invalid {config}: {config_override_error(argv, error)}")
+        if not isinstance(error, flags.Error):
+            raise
+        usage_error(str(error))
 
 
 def usage_error(message: str, *, prefix: str = "error") -> NoReturn:
@@ -48,6 +63,52 @@ def config_load_error(config) -> str | None:
         reason = str(error).strip().splitlines()[-1].strip()
         return f"--config: cannot load the config file: {reason}"
     return None
+
+
+def _config_keys(config, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in config.items():
+        keys.append(prefix + key)
+        if hasattr(value, "items"):
+            keys.extend(_config_keys(value, prefix + key + "."))
+    return keys
+
+
+def _load_config_file(argv: Sequence[str]):
+    """The ConfigDict named by ``--config=path[:arg]`` in argv, loaded as config_flags does."""
+    import importlib.util
+
+    spec = next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
+    path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("_caper_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
+
+
+def config_override_error(argv: Sequence[str], error: Exception) -> str:
+    """What went wrong while absl parsed a ``config_flags`` config and its overrides, as one message.
+
+    An unknown ``--config.<key>`` names the closest known keys (the config file is loaded once more to
+    list them); any other error is its own text (a KeyError's without the quotes ``str`` adds)."""
+    overrides = [a.split("=")[0].removeprefix("--config.") for a in argv[1:] if a.startswith("--config.")]
+    try:  # the config file itself loaded, or the override would not have been reached: its keys
+        known = _config_keys(_load_config_file(argv))
+    except Exception:  # noqa: BLE001 - suggestions are best effort only
+        known = []
+    lines = []
+    for key in overrides:
+        if known and key not in known:
+            close = difflib.get_close_matches(key, known, n=3)
+            lines.append(f"unknown config key {key!r}" + (f"; did you mean {close}?" if close else ""))
+    if lines:
+        return "\nerror: ".join(lines)
+    text = str(error.args[0] if isinstance(error, KeyError) and len(error.args) == 1 else error)
+    head, traceback_marker, trace = text.partition("Traceback (most recent call last):")
+    if traceback_marker:   # config_flags puts the config file's whole traceback in the message: its last line
+        last = [line.strip() for line in trace.splitlines() if line.strip()][-1:]
+        text = " ".join([head.strip().rstrip(":") + ":", *last])
+    return text
 
 
 def check_command(flag_values: flags.FlagValues, usage: str, *, defined: Collection[str],
