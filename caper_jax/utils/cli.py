@@ -1,7 +1,10 @@
-"""absl command lines with subcommands (``caper_jax.evaluate``, ``caper_jax.verify``, ``caper_jax.convert``).
+"""absl command lines: the flag and config errors of every command (``caper_jax.train``, ``evaluate``,
+``verify``, ``convert``, ``annotate``), and the subcommands of those that have them.
 
 A flag error (unknown flag, a typo, a value of the wrong type or outside an enum) is one line on
-stderr and exit status 2, the status these commands have always given a bad command line. Every
+stderr and exit status 2, the status these commands have always given a bad command line; so is an
+error of a ``--config`` file or of its ``--config.<key>`` overrides, an unknown key with the closest
+known ones. Every
 flag of the program is defined on one ``FlagValues``; ``check_command`` refuses those that the
 chosen command does not read, so a flag given to the wrong command is an error, as a typo is.
 The errors found after parsing (a flag of another command, a required flag unset, an unknown command)
