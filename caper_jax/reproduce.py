@@ -648,18 +648,10 @@ def write_report(config: ConfigDict, results: dict, out: pathlib.Path) -> None:
         f"combinations), k = {k} samples each; GRPO runs {results['grpo_steps']} steps per run, {seeds} seed(s) "
         "per variant (mean ± sample std over seeds; the SFT row is one run).\n",
         "## Table 1 — root-cause localisation on held-out failures\n",
-        f"{results['localization_n']} failed samples of the SFT policy on held-out questions; the true root "
-        "clause is the annotator's counterfactual localisation; clauses ranked by score, lowest first.\n",
-        "| method | sees gold | top-1 | MRR |", "|---|---|---|---|",
-        *([f"| Clause-PRM | no | {100 * results['localization_top1']:.1f} | {100 * results['localization_mrr']:.1f} |"]
-          if results["localization_n"] else []),
-        *[f"| {m} | {'**yes** (reference only)' if b['sees_gold'] else 'no'} | {100 * b['top1']:.1f} | "
-          f"{100 * b['mrr']:.1f} |" for m, b in results["baselines"].items()],
-        "\nA row that sees gold cannot run at inference time; the PRM is measured against the best row that "
-        f"does not (`{results['best_fair_baseline']}`). confidence: the SFT policy's lowest mean clause "
-        "log-prob; disagreement: the clause the question's k samples agree on least (canonical forms).\n",
-        f"\nHeld-out pairwise accuracy of the PRM: {100 * (results['pair_accuracy'] or float('nan')):.1f} %. "
-        "Per clause: `localization_per_clause.png`, `prm/localization.md`.\n",
+        *(localization_table(results) if results["localization_n"] else [
+            "No held-out sample of the SFT policy both failed and parsed, so there is nothing to localise "
+            "(a policy that writes only unparseable SQL, or too few samples, as in the `:fast` run).\n"]),
+        f"\nHeld-out pairwise accuracy of the PRM: {100 * (results['pair_accuracy'] or float('nan')):.1f} %.\n",
         "## Table 2 — execution accuracy (%) of the policies\n",
         f"| policy | greedy EX | MV@{k} | PRM rerank@{k} ({how}) | oracle@{k} |", "|---|---|---|---|---|",
         *[f"| {label[n]} | {_pm(results['ex'][n])} | {_pm(results['mv8'][n])} | {_pm(results['rerank8'][how][n])} | "
@@ -685,6 +677,22 @@ def write_report(config: ConfigDict, results: dict, out: pathlib.Path) -> None:
         *[f"| {s} | {results['seconds'][s]:.0f} |" for s in STAGE_ORDER if s in results["seconds"]],
     ]
     (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def localization_table(results: dict) -> list[str]:
+    """Table 1 of results.md: the PRM and every baseline on the SFT policy's held-out failures."""
+    return [
+        f"{results['localization_n']} failed samples of the SFT policy on held-out questions; the true root "
+        "clause is the annotator's counterfactual localisation; clauses ranked by score, lowest first.\n",
+        "| method | sees gold | top-1 | MRR |", "|---|---|---|---|",
+        f"| Clause-PRM | no | {100 * results['localization_top1']:.1f} | {100 * results['localization_mrr']:.1f} |",
+        *[f"| {m} | {'**yes** (reference only)' if b['sees_gold'] else 'no'} | {100 * b['top1']:.1f} | "
+          f"{100 * b['mrr']:.1f} |" for m, b in results["baselines"].items()],
+        "\nA row that sees gold cannot run at inference time; the PRM is measured against the best row that "
+        f"does not (`{results['best_fair_baseline']}`). confidence: the SFT policy's lowest mean clause "
+        "log-prob; disagreement: the clause the question's k samples agree on least (canonical forms).\n",
+        "Per clause: `localization_per_clause.png`, `prm/localization.md`.\n",
+    ]
 
 
 def reading(results: dict, config: ConfigDict) -> list[str]:

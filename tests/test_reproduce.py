@@ -173,6 +173,21 @@ def test_collect_and_report_from_stage_outputs(tmp_path):
     assert (tmp_path / "localization_per_clause.png").stat().st_size > 0
 
 
+def test_report_without_held_out_failures_says_so(tmp_path):
+    """A toy policy may leave no failure to localise (the :fast run): Table 1 said the PRM was measured
+    against "`None`" and pointed to a plot that is not written."""
+    config = reproduce_config.get_config("seeds=2")
+    _fake_stage_outputs(tmp_path, config)
+    results = reproduce.collect(config, tmp_path)
+    results |= {"seconds": {}, "localization_n": 0, "localization_top1": None, "localization_mrr": None,
+                "baselines": {}, "best_fair_baseline": None, "localization_per_clause": {}}
+    reproduce.write_report(config, results, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    table1 = md.split("## Table 1")[1].split("## Table 2")[0]
+    assert "nothing to localise" in table1 and "None" not in table1 and "| method |" not in table1
+    assert "localization_per_clause.png" not in md and not (tmp_path / "localization_per_clause.png").exists()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--config=configs/reproduce.py", "--config.sft.optim.lrr=1"],
      "unknown config key 'sft.optim.lrr'; did you mean ['sft.optim.lr'"),
