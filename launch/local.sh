@@ -16,17 +16,18 @@
 # LOG_DIR/process_<i>.pid (tests use them to kill one process on purpose).
 set -euo pipefail
 
-usage() {
-  cat >&2 <<'EOF'
-usage: launch/local.sh [-n NUM_PROCESSES] [-d CPU_DEVICES_PER_PROCESS] [-p PORT] [-l LOG_DIR] -- COMMAND [ARGS...]
+usage() {   # usage [STATUS]: asked for (-h, --help) on stdout with 0; a bad command line on stderr with 2
+  local status="${1:-2}"
+  local text='usage: launch/local.sh [-n NUM_PROCESSES] [-d CPU_DEVICES_PER_PROCESS] [-p PORT] [-l LOG_DIR] -- COMMAND [ARGS...]
   -n  processes to start (default 2)
   -d  simulate this many CPU devices per process (default: use the real devices)
   -p  coordinator port on 127.0.0.1 (default: a free port)
-  -l  directory for process_<i>.log and process_<i>.pid (default: a new temporary directory)
-EOF
-  exit 2
+  -l  directory for process_<i>.log and process_<i>.pid (default: a new temporary directory)'
+  if [[ "$status" == 0 ]]; then echo "$text"; else echo "$text" >&2; fi
+  exit "$status"
 }
 
+[[ "${1:-}" == "--help" ]] && usage 0
 num_processes=2
 cpu_devices=""
 port=""
@@ -37,6 +38,7 @@ while getopts "n:d:p:l:h" opt; do
     d) cpu_devices="$OPTARG" ;;
     p) port="$OPTARG" ;;
     l) log_dir="$OPTARG" ;;
+    h) usage 0 ;;
     *) usage ;;
   esac
 done

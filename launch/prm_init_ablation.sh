@@ -17,12 +17,13 @@ if [[ $# -ne 2 || "$1" == -* ]]; then
   echo "usage: bash launch/prm_init_ablation.sh REPRODUCTION_WORKDIR OUTDIR" >&2
   exit 2
 fi
+[[ -d "$1" ]] || { echo "error: $1 is not a directory" >&2; exit 2; }
 run="$(cd "$1" && pwd)"
-mkdir -p "$2"
-out="$(cd "$2" && pwd)"
-for part in world/tokenizer sft prm_data/dev.json; do
+for part in world/tokenizer sft prm_data/dev.json; do   # checked before OUTDIR is made: a refusal writes nothing
   [[ -e "$run/$part" ]] || { echo "error: $run/$part is missing: not a reproduction workdir past its confidence stage" >&2; exit 2; }
 done
+mkdir -p "$2"
+out="$(cd "$2" && pwd)"
 cd "$(dirname "$0")/.."
 for init in random sft; do
   for lm in 0 1; do

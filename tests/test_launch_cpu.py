@@ -55,3 +55,20 @@ def test_a_launcher_without_an_outdir_prints_its_usage_and_runs_nothing(tree, ar
     assert proc.returncode == 2
     assert proc.stderr.startswith("usage: bash launch/reproduce_cpu.sh OUTDIR [:variant]")
     assert not (tree / "args.txt").exists()
+
+
+def test_prm_init_ablation_refuses_a_workdir_that_is_not_a_reproduction_and_writes_nothing(tree, tmp_path):
+    """It made OUTDIR before it looked at REPRODUCTION_WORKDIR."""
+    for run in (tmp_path / "missing", tree / "launch"):   # not a directory; a directory without world/ sft/ ...
+        proc = launch(tree, "prm_init_ablation.sh", str(run), str(tmp_path / "out"))
+        assert proc.returncode == 2 and proc.stderr.startswith("error: ") and len(proc.stderr.splitlines()) == 1
+        assert not (tmp_path / "out").exists() and not (tree / "args.txt").exists()
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_local_launcher_prints_its_usage_when_asked(tree, flag):
+    proc = launch(tree, "local.sh", flag)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: launch/local.sh [-n NUM_PROCESSES]")
+    assert proc.stderr == ""
+    bad = launch(tree, "local.sh", "-x")
+    assert bad.returncode == 2 and "usage: launch/local.sh" in bad.stderr and bad.stdout == ""
