@@ -233,7 +233,8 @@ class Run:
                         seconds, window_start = time.perf_counter() - window_start, time.perf_counter()
                         window = []
                         summary = summarize(fetched, seconds) if summarize else train_means(fetched)
-                        summary["train/lr"] = float(learning_rate(config.optim)(step))
+                        # the rate this step's updates applied (optim.learning_rate_per_update)
+                        summary["train/lr"] = float(learning_rate(config.optim)(step - 1))
                         line = progress.update(step)
                         summary[steps_per_s_key] = progress.steps_per_s
                         self.writer.write(step, summary)

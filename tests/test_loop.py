@@ -10,7 +10,7 @@ from tensorboardX.proto.event_pb2 import Event, SessionLog
 from caper_jax import loop
 from caper_jax.utils.errors import NonFiniteLossError
 from caper_jax.utils.monitoring import read_metrics
-from caper_jax.utils.optim import init_state
+from caper_jax.utils.optim import init_state, learning_rate
 
 
 def _trainers():
@@ -90,6 +90,9 @@ def test_loop_logs_window_means_and_resumes(tmp_path):
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [(r["step"], r["train/loss"]) for r in rows] == [(2, 1.5), (4, 3.5), (5, 5.0)]
     assert list(rows[0]) == ["step", "train/loss", "train/lr", "train/steps_per_s"]
+    # the rate the logged step's update applied: the schedule at step - 1 (optim.learning_rate_per_update)
+    assert [r["train/lr"] for r in rows] == pytest.approx([float(learning_rate(run.config.optim)(s - 1))
+                                                          for s in (2, 4, 5)])
 
     run, state = _toy_run(tmp_path, total_steps=6)
     assert int(state.step) == 5 and float(state.params["w"][0]) == 5.0

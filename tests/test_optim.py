@@ -6,7 +6,7 @@ import optax
 import pytest
 from ml_collections import ConfigDict
 
-from caper_jax.utils.optim import guarded_update, init_state, learning_rate
+from caper_jax.utils.optim import guarded_update, init_state, learning_rate, make_optimizer
 
 
 @pytest.fixture
@@ -47,6 +47,27 @@ def test_schedule_warms_up_linearly_then_decays_to_a_tenth():
     lr = learning_rate(optim)
     np.testing.assert_allclose([lr(0), lr(5), lr(10), lr(60), lr(110)],
                                [0.0, 5e-4, 1e-3, 1e-4 + 0.9e-3 * 0.5, 1e-4], rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("updates_per_step", [1, 3])
+def test_every_update_of_a_step_applies_that_steps_rate(updates_per_step):
+    """GRPO makes update_epochs x num_minibatches updates per step; the schedule counted them as steps,
+    so its warmup and cosine ran that many times too fast. With b1 = b2 = 0 Adam's update is
+    g / (|g| + eps) = 1 for g = 1, so each update moves the parameter by exactly the rate it applied."""
+    optim = ConfigDict(dict(lr=1.0, warmup_steps=2, total_steps=6, weight_decay=0.0, b1=0.0, b2=0.0,
+                            grad_clip=1e9))
+    tx = make_optimizer(optim, updates_per_step)
+    params = {"w": jnp.zeros(())}
+    opt_state = tx.init(params)
+    applied = []
+    for _ in range(6 * updates_per_step):
+        updates, opt_state = tx.update({"w": jnp.ones(())}, opt_state, params)
+        applied.append(-float(updates["w"]))
+        params = optax.apply_updates(params, updates)
+    # step s (1-based) applies the schedule at s - 1: warmup 0, 0.5, then cosine from 1 down to 0.1 at step 6
+    per_step = [learning_rate(optim)(s - 1) for s in range(1, 7)]
+    np.testing.assert_allclose(applied, np.repeat(per_step, updates_per_step), rtol=1e-6, atol=1e-7)
+    assert per_step[:3] == pytest.approx([0.0, 0.5, 1.0])
 
 
 def _optim(**moments):

@@ -84,7 +84,7 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) 
 
     rules = tuple(tuple(r) for r in config.sharding_rules)
     arch = dry_run_architecture(config)
-    tx = make_optimizer(config.optim)
+    tx = make_optimizer(config.optim, rl_step.updates_per_step(config))
     graphdef, state = rules_lib.abstract_train_state(
         lambda: Qwen35ForCausalLM(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules),
         lambda p: init_state(p, tx), mesh, rules)

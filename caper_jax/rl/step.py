@@ -21,6 +21,12 @@ from caper_jax.rl.rewards import layout_rewards
 from caper_jax.utils.optim import TrainState, guarded_update
 
 
+def updates_per_step(config) -> int:
+    """Optimizer updates per GRPO step, ``update_step`` once per minibatch of every epoch over the step's
+    rollouts: what ``make_optimizer`` needs so that its schedule counts steps, not updates."""
+    return config.rl.update_epochs * config.rl.num_minibatches
+
+
 def update_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientTransformation, beta: float,
                 agg: str, eps_low: float, eps_high: float, temperature: float, chunk_size: int
                 ) -> tuple[TrainState, dict]:

@@ -38,7 +38,8 @@ from caper_jax.policy.prompts import prompt_batch, stop_token_id
 from caper_jax.utils.optim import make_optimizer
 from caper_jax.rl.losses import AGGREGATIONS
 from caper_jax.rl.rewards import reward_variant
-from caper_jax.rl.step import advantages_from_rewards, jit_completion_logprobs, jit_update, prm_token_scores
+from caper_jax.rl.step import (advantages_from_rewards, jit_completion_logprobs, jit_update, prm_token_scores,
+                               updates_per_step)
 from caper_jax.sft import data as data_lib
 
 log = logging.getLogger("caper_jax")
@@ -181,7 +182,7 @@ def run(config, workdir: str) -> dict:
     mesh, rules = run.use_mesh()
     vocab = len(tokenizer)
     policy = load_policy(config, vocab, mesh, rules)
-    tx = make_optimizer(config.optim)
+    tx = make_optimizer(config.optim, updates_per_step(config))   # the schedule counts steps, not updates
     graphdef, state, state_sharding = loop.create_state(policy, tx, mesh, rules)
     ref_params = state.params if config.rl.beta > 0 else None  # the starting point, before any update
     if ref_params is not None:
