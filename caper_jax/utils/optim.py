@@ -83,7 +83,8 @@ def learning_rate_per_update(optim, updates_per_step: int = 1) -> optax.Schedule
     The schedule's ``warmup_steps`` and ``total_steps`` count loop steps. optax counts updates, and
     GRPO makes ``update_epochs x num_minibatches`` of them per step: on optax's count its warmup and
     cosine ran that many times too fast (the default 2 x 1: the rate reached its 10 % floor at step 20
-    of 40).
+    of 40). A refused update (``guarded_update``: non-finite) keeps optax's state, its count included,
+    so each one delays the rest of the schedule by one update.
     """
     if updates_per_step < 1:
         raise ValueError(f"updates_per_step must be >= 1, got {updates_per_step}")
