@@ -130,7 +130,8 @@ def bench_train(config: Qwen35Config, args) -> dict:
     batch = {"chosen_ids": ids(), "rejected_ids": ids(), "chosen_mask": jnp.ones((b, t), jnp.int32),
              "rejected_mask": jnp.ones((b, t), jnp.int32), "chosen_pos": jnp.full((b,), t - 1, jnp.int32),
              "rejected_pos": jnp.full((b,), t - 1, jnp.int32), "margin": jnp.ones((b,), jnp.float32),
-             "weight": jnp.ones((b,), jnp.float32), "clause_id": jnp.zeros((b,), jnp.int32)}
+             "weight": jnp.ones((b,), jnp.float32), "lm_weight": jnp.ones((b,), jnp.float32),
+             "clause_id": jnp.zeros((b,), jnp.int32)}
     loss_cfg = PairLossConfig()
     step, _, _ = jit_steps(graphdef, tx, loss_cfg)
     hardware = jaxpr_matmul_flops(step.trace(state, batch).jaxpr.jaxpr)

@@ -62,7 +62,7 @@ REQUIRED_KEYS = (
 )
 BATCH_KEYS = (
     "chosen_ids", "chosen_mask", "chosen_pos", "rejected_ids", "rejected_mask", "rejected_pos",
-    "margin", "clause_id", "weight", "record_index",
+    "margin", "clause_id", "weight", "lm_weight", "record_index",
 )
 GROUP_KEYS = ("group_ids", "group_mask", "group_pos", "group_margin", "group_weight")
 WITHIN_PROVENANCE = "within:"
@@ -409,6 +409,10 @@ class _HostBatchLoader:
         batch = {
             "margin": np.zeros(size, np.float32), "clause_id": np.zeros(size, np.int32),
             "weight": np.zeros(size, np.float32), "record_index": np.full(size, -1, np.int32),
+            # 1 where the chosen side is SQL worth learning token by token (the PRM's auxiliary LM term):
+            # gold, a repaired or a right prediction. A within-trajectory tuple's chosen side is a state
+            # of the wrong query itself, after its wrong root clause when it comes later: 0.
+            "lm_weight": np.zeros(size, np.float32),
         }
         for side in ("chosen", "rejected"):
             batch[f"{side}_ids"] = np.full((size, length), self.pad_id, np.int32)
@@ -429,6 +433,7 @@ class _HostBatchLoader:
             batch["margin"][row] = rec["margin"]
             batch["clause_id"][row] = clause_id(rec["clause"], r)
             batch["weight"][row] = 1.0
+            batch["lm_weight"][row] = 0.0 if is_within(rec) else 1.0
             batch["record_index"][row] = r
         return batch
 
@@ -484,7 +489,7 @@ def within_groups(records: Records) -> tuple[list[WithinGroup], list[int]]:
     for index in range(len(records)):
         rec = records[index]
         sql = rec.get("negative_sql")
-        if not (str(rec.get("provenance", "")).startswith(WITHIN_PROVENANCE) and isinstance(sql, str)):
+        if not (is_within(rec) and isinstance(sql, str)):
             pairs.append(index)
             continue
         if sql not in texts:
@@ -645,6 +650,11 @@ def prm_pipeline(
         slice(process_index * host_groups, (process_index + 1) * host_groups), slots)
     dataset = grain.MapDataset.range(steps_per_epoch).repeat(num_epochs).map_with_index(loader)
     return PrmPipeline(dataset, steps_per_epoch, len(records), ladder, host_batch, len(groups), host_groups)
+
+
+def is_within(record: Mapping[str, Any]) -> bool:
+    """A within-trajectory tuple: both states are clauses of one wrong query (``within:*`` provenance)."""
+    return str(record.get("provenance", "")).startswith(WITHIN_PROVENANCE)
 
 
 def _is_counterfactual(record: Mapping[str, Any]) -> bool:

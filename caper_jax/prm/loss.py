@@ -83,9 +83,11 @@ def pairwise_loss(
 #
 # The paper's PRM starts from a pretrained LLM that already maps questions to SQL; a randomly
 # initialised backbone (the built-in demo) has to learn from preference pairs alone which column a
-# question asks for. The chosen side of every aligned tuple is correct SQL (gold, or the repaired
-# prediction, whose clause rewards are 0), so next-token prediction of its SQL tokens is free
-# supervision of exactly that mapping, read from the same forward pass.
+# question asks for. The chosen side of every aligned tuple is correct SQL (gold, the repaired
+# prediction, whose clause rewards are 0, or a right prediction), so next-token prediction of its SQL
+# tokens is free supervision of exactly that mapping, read from the same forward pass. A
+# within-trajectory tuple's chosen side is a state of the wrong query itself (after its wrong root
+# clause when it comes later): the batch's ``lm_weight`` leaves those rows out.
 
 
 @dataclasses.dataclass(frozen=True)

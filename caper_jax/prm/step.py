@@ -70,7 +70,7 @@ def _chosen_sql_nll(model, hidden, batch, lm_cfg: LmAuxConfig) -> jax.Array:
     logp = token_logprobs(hidden[:, :-1], model.backbone.embed_tokens[...], ids[:, 1:], lm_cfg.chunk_size,
                           tied=True)
     target = sql_target_mask(ids, batch["chosen_mask"], batch["chosen_pos"], lm_cfg.marker_id)
-    return lm_nll(logp, target, batch["weight"])
+    return lm_nll(logp, target, batch["weight"] * batch["lm_weight"])   # lm_weight: 0 for a wrong query's state
 
 
 def train_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientTransformation,

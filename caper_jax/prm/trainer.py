@@ -267,7 +267,7 @@ def dry_run(config) -> dict:
         ids, vec = struct((b, length), jnp.int32), lambda dt: struct((b,), dt)
         batch = {"chosen_ids": ids, "chosen_mask": ids, "chosen_pos": vec(jnp.int32), "rejected_ids": ids,
                  "rejected_mask": ids, "rejected_pos": vec(jnp.int32), "margin": vec(jnp.float32),
-                 "weight": vec(jnp.float32), "clause_id": vec(jnp.int32)}
+                 "weight": vec(jnp.float32), "lm_weight": vec(jnp.float32), "clause_id": vec(jnp.int32)}
         if config.data.within_batch_size:  # group rows, with the narrowest slot width the pipeline makes
             g, slots = config.data.within_batch_size, pipe_lib.GROUP_SLOT_MULTIPLE
             batch |= {"group_ids": struct((g, length), jnp.int32), "group_mask": struct((g, length), jnp.int32),

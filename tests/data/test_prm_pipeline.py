@@ -345,3 +345,19 @@ def test_counterfactual_tuples_repeat_per_epoch(tokenizer):
     assert build(tuples, tokenizer, global_batch_size=2).steps_per_epoch == -(-len(tuples) // 2)  # default 1
     with pytest.raises(ValueError, match="counterfactual_repeat=0 must be >= 1"):
         build(tuples, tokenizer, counterfactual_repeat=0)
+
+
+def test_lm_weight_leaves_out_a_wrong_querys_states(tokenizer):
+    """The PRM's auxiliary LM term learns the chosen side's SQL token by token; a within-trajectory
+    tuple's chosen side is a state of the wrong query (after its wrong root clause when it comes later),
+    so its pair row has lm_weight 0, while gold-side rows (here: fault injection) have 1."""
+    tuples = make_within_tuples()
+    pipeline = build(tuples, tokenizer, global_batch_size=4, within_batch_size=0, num_epochs=1)
+    seen = {0.0: 0, 1.0: 0}
+    for batch in all_batches(pipeline):
+        for row in np.flatnonzero(batch["weight"]):
+            within = tuples[batch["record_index"][row]]["provenance"].startswith("within:")
+            assert batch["lm_weight"][row] == (0.0 if within else 1.0)
+            seen[float(batch["lm_weight"][row])] += 1
+        assert (batch["lm_weight"][batch["weight"] == 0] == 0).all()   # padding rows
+    assert seen[0.0] == len(tuples) - 2 and seen[1.0] == 2

@@ -27,7 +27,7 @@ def make_batch(rng, b=4, t=24):
     pos = np.full((2, b), t - 4, np.int32)
     return {"chosen_ids": ids[0], "chosen_mask": mask[0], "chosen_pos": pos[0],
             "rejected_ids": ids[1], "rejected_mask": mask[1], "rejected_pos": pos[1],
-            "margin": np.ones(b, np.float32), "weight": np.ones(b, np.float32)}
+            "margin": np.ones(b, np.float32), "weight": np.ones(b, np.float32), "lm_weight": np.ones(b, np.float32)}
 
 
 @pytest.fixture(scope="module")
@@ -134,13 +134,14 @@ def test_lm_term_is_the_next_token_loss_of_the_chosen_sql(setup):
     batch["chosen_ids"][:, :5] = np.where(batch["chosen_ids"][:, :5] == marker, 1, batch["chosen_ids"][:, :5])
     batch["chosen_ids"][:, 6:] = np.where(batch["chosen_ids"][:, 6:] == marker, 1, batch["chosen_ids"][:, 6:])
     batch["weight"][3] = 0.0                             # a padding row does not count
+    batch["lm_weight"][2] = 0.0                          # nor a wrong query's state (a within-trajectory tuple)
     train_lm, _, _ = jit_steps(graphdef, tx, PairLossConfig(), lm_cfg=LmAuxConfig(coef=0.5, marker_id=marker))
     fresh = lambda: init_state(jax.tree.map(jnp.copy, params), tx)
     _, m0 = train0(fresh(), batch)
     _, m1 = train_lm(fresh(), batch)
     logits = model.backbone(jnp.asarray(batch["chosen_ids"]), jnp.asarray(batch["chosen_mask"]))
     logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
-    nll = [-logp[row, t - 1, batch["chosen_ids"][row, t]] for row in range(3) for t in range(6, 21)]
+    nll = [-logp[row, t - 1, batch["chosen_ids"][row, t]] for row in range(2) for t in range(6, 21)]
     np.testing.assert_allclose(float(m1["lm_nll"]), np.mean(nll), rtol=1e-5)
     np.testing.assert_allclose(float(m1["loss"]) - float(m0["loss"]), 0.5 * np.mean(nll), rtol=1e-4)
     assert "lm_nll" not in m0
