@@ -108,7 +108,8 @@ def sql_target_mask(input_ids: jax.Array, attention_mask: jax.Array, last: jax.A
     """[B, T-1] bool: position t predicts token t+1, and token t+1 is SQL to learn.
 
     SQL tokens are the real tokens after the row's last ``marker_id`` (the assistant turn's
-    ``<|im_start|>``), up to and including index ``last`` [B] (the scored clause's last token);
+    ``<|im_start|>``: its role line ``assistant``, then the SQL), up to and including index ``last``
+    [B] (the scored clause's last token);
     the marker itself is not a target. A row without the marker (its prompt truncated away) counts
     every token up to ``last``.
     """
