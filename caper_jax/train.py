@@ -32,7 +32,6 @@ from ml_collections import config_flags
 
 from caper_jax.parallel import multihost
 from caper_jax.utils import cli
-from caper_jax.utils.cli import config_load_error, usage_error
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/prm.py[:arg].",
                                           lock_config=True)
@@ -81,12 +80,12 @@ def main(argv: list[str]) -> None:
     # orbax and grain log every checkpoint phase at INFO through absl; keep the run's own lines readable.
     logging.getLogger("absl").setLevel(logging.WARNING)
     config = _CONFIG.value
-    if (problem := config_load_error(config)) is not None:   # a missing config file: one line, not a traceback
-        usage_error(problem)
+    if (problem := cli.config_load_error(config)) is not None:   # a missing config file: one line, not a traceback
+        cli.usage_error(problem)
     if config is None:
-        usage_error("--config is required, e.g. --config=configs/prm.py")
+        cli.usage_error("--config is required, e.g. --config=configs/prm.py")
     if config.trainer not in TRAINERS:
-        usage_error(f"config.trainer={config.trainer!r}; known trainers: {sorted(TRAINERS)}")
+        cli.usage_error(f"config.trainer={config.trainer!r}; known trainers: {sorted(TRAINERS)}")
     trainer = importlib.import_module(TRAINERS[config.trainer])
     # Before anything touches a JAX backend (validate counts devices): a multi-process run must
     # join jax.distributed first, or every process sees only its own devices.
@@ -98,15 +97,15 @@ def main(argv: list[str]) -> None:
 
             check_dry_run(config)
     except (ValueError, KeyError) as e:
-        usage_error(f"invalid config: {e}")
+        cli.usage_error(f"invalid config: {e}")
     if _DRY_RUN.value:
         trainer.dry_run(config)
         return
     if not _WORKDIR.value:
-        usage_error("--workdir is required (checkpoints, metrics and exports go there)")
+        cli.usage_error("--workdir is required (checkpoints, metrics and exports go there)")
     problem = workdir_problem(_WORKDIR.value)
     if problem:
-        usage_error(problem)
+        cli.usage_error(problem)
     from caper_jax.data.spider import DataError
     from caper_jax.data.world import WorldError
     from caper_jax.utils.errors import CheckpointError, NonFiniteLossError, Preempted
@@ -118,7 +117,7 @@ def main(argv: list[str]) -> None:
     # what to do; a traceback adds nothing. Exit status 2, as for a bad command line and as the other
     # commands give a bad input; 1 is a run that failed in itself (non-finite losses).
     except (WorldError, DataError, CheckpointError) as e:
-        usage_error(str(e))
+        cli.usage_error(str(e))
     except NonFiniteLossError as e:
         sys.exit(f"error: {e}")
     except Preempted as e:

@@ -4,9 +4,9 @@
 A flag error (unknown flag, a typo, a value of the wrong type or outside an enum) is one line on
 stderr and exit status 2, the status these commands have always given a bad command line; so is an
 error of a ``--config`` file or of its ``--config.<key>`` overrides, an unknown key with the closest
-known ones. Every
-flag of the program is defined on one ``FlagValues``; ``check_command`` refuses those that the
-chosen command does not read, so a flag given to the wrong command is an error, as a typo is.
+known ones. Every flag of the program is defined on one ``FlagValues``; ``check_command`` refuses
+those that the chosen command does not read, so a flag given to the wrong command is an error, as a
+typo is.
 The errors found after parsing (a flag of another command, a required flag unset, an unknown command)
 go through ``usage_error``, not ``absl.app.UsageError``, which ``absl.app.run`` prints after the whole
 module docstring and flag list.
