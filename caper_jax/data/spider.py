@@ -71,6 +71,21 @@ class Example:
     meta: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
 
+class ShownQuestions:
+    """A record's question as the prompts show it (``contract.prompt_question``: BIRD's evidence as a
+    ``Hint:`` line), the evidence being the record's own ``evidence``, else its split example's."""
+
+    def __init__(self, examples: Iterable[Example]):
+        self._evidence = {(ex.db_id, ex.question): ex.evidence for ex in examples if ex.evidence}
+
+    def __call__(self, record: Mapping[str, Any]) -> str:
+        from caper_jax.sql.contract import prompt_question
+
+        question = str(record.get("question", ""))
+        evidence = record.get("evidence") or self._evidence.get((record.get("db_id"), question), "")
+        return prompt_question(question, str(evidence))
+
+
 def _read_json(path: pathlib.Path) -> Any:
     try:
         with open(path, encoding="utf-8") as f:

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from caper_jax.data import spider as readers
 from caper_jax.utils.jsonl import LineError, read_json_lines
+from caper_jax.sql.contract import prompt_question
 from caper_jax.sql.tuples import AnnotationSettings, AnnotationSummary, Annotator, PreferenceTuple
 
 log = logging.getLogger("caper_jax")
@@ -54,13 +55,20 @@ def read_trajectories(manual_dir: str | os.PathLike, split: str, *, predictions:
 
     A question record (``caper_jax.data.spider.load_split``: Spider's train is train_spider.json +
     train_others.json) becomes ``{"question", "db_id", "gold"}``; a predictions line is kept as
-    written (``pred`` included). Spider calls the gold ``query``, BIRD ``SQL``.
+    written (``pred`` included). Spider calls the gold ``query``, BIRD ``SQL``. Where a question has
+    BIRD evidence (its record's, or for a predictions line its own ``evidence`` else its question's),
+    ``question`` is ``contract.prompt_question(question, evidence)``: the text the prompts show.
     """
     try:
         examples = readers.load_split(manual_dir, split)
     except readers.DataError as e:
         raise LayoutError(str(e)) from e
-    out = [{"question": ex.question, "db_id": ex.db_id, "gold": ex.query} for ex in examples[:limit or None]]
+    # The question as the prompts show it: BIRD's evidence as its Hint line (contract.prompt_question), so
+    # that the PRM trains on the prompt GRPO's PRM reads. A predictions line without evidence of its own
+    # takes its question's.
+    shown = readers.ShownQuestions(examples)
+    out = [{"question": prompt_question(ex.question, ex.evidence), "db_id": ex.db_id, "gold": ex.query}
+           for ex in examples[:limit or None]]
     pred_path = pathlib.Path(manual_dir) / f"predictions_{split}.jsonl"
     if predictions and pred_path.is_file():
         lines = []
@@ -71,6 +79,8 @@ def read_trajectories(manual_dir: str | os.PathLike, split: str, *, predictions:
                 why = value if isinstance(value, LineError) else f"a JSON {type(value).__name__}, not an object"
                 log.warning("%s line %d skipped: %s", pred_path, number, why)
                 continue
+            if isinstance(value.get("question"), str):
+                value = {**value, "question": shown(value)}
             lines.append(value)
         out.extend(lines[:limit or None])
     return out

@@ -42,6 +42,7 @@ from caper_jax.eval.ex import majority_vote
 from caper_jax.policy import sampling as sampling_lib
 from caper_jax.policy.prompts import stop_token_id
 from caper_jax.sft.data import examples_from_split
+from caper_jax.sql.contract import prompt_question
 from caper_jax.sql.execution import Executors, order_matters, results_equal
 from caper_jax.sql.semantics import comparison, executed_sql
 from caper_jax.utils.subset import seeded_subset
@@ -102,7 +103,8 @@ def score_examples(examples: Sequence[Any], greedy: Sequence[str], samples: Sequ
     k = ks.pop() if ks else 0
     scores: list[np.ndarray] = []
     if prm_scores is not None and k:
-        scores = prm_scores([{"question": ex.question, "schema": ex.schema, "sql": sql}
+        scores = prm_scores([{"question": prompt_question(ex.question, ex.evidence), "schema": ex.schema,
+                              "sql": sql}
                              for ex, group in zip(examples, samples) for sql in group])
     counts: collections.Counter[str] = collections.Counter()
     rows = []

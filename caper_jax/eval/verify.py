@@ -48,8 +48,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from caper_jax.sql.contract import serialize_schema
-from caper_jax.data.spider import DataError, load_schemas, load_split
+from caper_jax.sql.contract import prompt_question, serialize_schema
+from caper_jax.data.spider import DataError, ShownQuestions, load_schemas, load_split
 from caper_jax.sql.semantics import check_semantics
 from caper_jax.eval.ex import (DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, Databases, PredictionError, data_inputs,
                                grade_predictions, majority_vote)
@@ -126,8 +126,8 @@ def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: 
             schema = databases.schema(example.db_id)
             lines.append({"prediction": prediction, "right": line.right, "vote": majority_vote(line.results, semantics),
                           "classes": scoring.result_classes(line.results, semantics),
-                          "rows": [{"question": example.question, "schema": schema, "sql": sql}
-                                   for sql in prediction.candidates]})
+                          "rows": [{"question": prompt_question(example.question, example.evidence),
+                                    "schema": schema, "sql": sql} for sql in prediction.candidates]})
     finally:
         databases.close()
 
@@ -207,6 +207,7 @@ def read_failures(data_dir: str | os.PathLike, split: str, predictions: str | os
     databases = _Databases(data_dir, split, timeout_s=timeout_s, max_rows=DEFAULT_MAX_ROWS, report=report,
                            where=str(predictions))
     schemas: dict[str, Schema] = {}
+    shown: ShownQuestions | None = None
     rows, skipped = [], collections.Counter()
     try:
         with jsonl.open_text_lines(predictions) as f:   # decoded line by line: a bad byte spoils one line
@@ -256,7 +257,8 @@ def read_failures(data_dir: str | os.PathLike, split: str, predictions: str | os
                 except SqlParseError:
                     skipped["unparseable"] += 1  # no clauses to rank
                     continue
-                row = {"question": record["question"], "schema": databases.schema(record["db_id"]),
+                shown = shown or ShownQuestions(split_examples())   # BIRD's evidence, as the prompts show it
+                row = {"question": shown(record), "schema": databases.schema(record["db_id"]),
                        "sql": record["pred"], "root": root, "root_source": source,
                        "pred_units": pred_units, "gold_units": gold_units}
                 # Lines carrying "samples" / "clause_logprob" also get the gold-free baselines.

@@ -21,7 +21,7 @@ import random
 import numpy as np
 
 from caper_jax.data import prm_pipeline as pipe_lib
-from caper_jax.data.spider import load_schemas
+from caper_jax.data.spider import DataError, ShownQuestions, load_schemas, load_split
 from caper_jax.parallel import multihost
 from caper_jax.prm import localization as loc
 from caper_jax.prm.scoring import scores_in_batches
@@ -50,6 +50,10 @@ class PrmEvaluator:
         if not path.exists():
             return []
         schemas = {db: serialize_schema(entry) for db, entry in load_schemas(world.dir).items()}
+        try:   # BIRD's evidence, as the prompts show it; a world without the split's file has none
+            shown = ShownQuestions(load_split(world.dir, split))
+        except DataError:
+            shown = ShownQuestions(())
         annotator = Annotator(world.database_dir)
         rows = []
         for line in path.read_text().splitlines():
@@ -70,7 +74,7 @@ class PrmEvaluator:
                 gold_units = [(u.name, u.text) for u in split_clauses(r["gold"])]
             except SqlParseError:
                 continue
-            row = {"question": r["question"], "schema": schemas[r["db_id"]], "sql": r["pred"],
+            row = {"question": shown(r), "schema": schemas[r["db_id"]], "sql": r["pred"],
                    "root": root, "pred_units": pred_units, "gold_units": gold_units}
             rows.append(with_baseline_inputs(row, r, annotator.schema(r["db_id"])))
         annotator.close()

@@ -17,7 +17,8 @@ Both prompts use the Qwen chat markers (``<|im_start|>``, ``<|im_end|>``), which
 tokens in Qwen3.5's tokenizer and in the demo tokenizer; the SQL follows the prompt directly and
 the policy ends it with ``END_OF_SQL``. ``prm_prompt`` is the same text as ``policy_prompt`` on
 purpose: the PRM scores clauses in exactly the context they were generated in, and a PRM
-initialised from the SFT policy starts from inputs it knows.
+initialised from the SFT policy starts from inputs it knows. BIRD's evidence is part of both, as
+the question's ``Hint:`` line (``prompt_question``).
 """
 from __future__ import annotations
 
@@ -141,10 +142,23 @@ def _sql_string(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
+def prompt_question(question: str, evidence: str = "") -> str:
+    """The question as the prompts show it: BIRD's evidence, if any, follows on a ``Hint:`` line.
+
+    The Clause-PRM's inputs (annotated tuples, held-out failures, the rows ``verify`` and ``evaluate``
+    score) carry this text as their question, so that ``prm_prompt(prompt_question(q, e), schema)``
+    is the policy's own prompt, the one GRPO's PRM reads. Without evidence the question is returned
+    as it is (Spider, the demo world), so it still matches the split's records.
+    """
+    if not evidence or not evidence.strip():
+        return question
+    return f"{question.strip()}\nHint: {evidence.strip()}"
+
+
 def policy_prompt(question: str, schema_text: str, evidence: str = "") -> str:
     """What the SFT/GRPO policy reads before it writes the SQL (BIRD's evidence, if any, as a hint)."""
-    hint = f"\nHint: {evidence.strip()}" if evidence and evidence.strip() else ""
-    return f"<|im_start|>user\n{schema_text}\nQuestion: {question.strip()}{hint}<|im_end|>\n<|im_start|>assistant\n"
+    shown = prompt_question(question, evidence).strip()
+    return f"<|im_start|>user\n{schema_text}\nQuestion: {shown}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def prm_prompt(question: str, schema_text: str, evidence: str = "") -> str:

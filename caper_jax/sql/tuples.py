@@ -76,7 +76,7 @@ TUPLE_FORMAT = 3
 
 @dataclasses.dataclass
 class PreferenceTuple:
-    question: str
+    question: str          # as the prompts show it: BIRD's evidence on a Hint line (contract.prompt_question)
     db_id: str
     schema: str            # serialised schema
     clause: str            # clause name of the compared position

@@ -126,7 +126,8 @@ def test_bird_layout_is_read(tmp_path):
     (tmp_path / "dev.json").write_text(json.dumps([{"db_id": "x", "question": "q", "SQL": "SELECT 1",
                                                     "evidence": "e"}]))
     (tmp_path / "dev_tables.json").write_text(json.dumps([{"db_id": "x", "table_names_original": []}]))
-    assert tfds_caper.read_trajectories(tmp_path, "dev") == [{"question": "q", "db_id": "x", "gold": "SELECT 1"}]
+    # the question as the prompts show it: BIRD's evidence on its Hint line (contract.prompt_question)
+    assert tfds_caper.read_trajectories(tmp_path, "dev") == [{"question": "q\nHint: e", "db_id": "x", "gold": "SELECT 1"}]
     # without a split every schema file of the layout is merged (caper_jax/data/spider.py)
     assert list(tfds_caper.read_tables(tmp_path, "dev")) == ["x"] == list(tfds_caper.read_tables(tmp_path))
     (tmp_path / "dev_tables.json").unlink()

@@ -119,6 +119,10 @@ def test_annotation_readers_read_train_others_and_bird_train(layouts, layout):
     root = s if layout == "spider" else b
     trajectories = tfds_caper.read_trajectories(root, "train")
     assert [t["gold"] for t in trajectories] == [e["query"] for e in train + others]   # train_others too
+    # questions as the prompts show them: BIRD's evidence on a Hint line, Spider's as written
+    hints = [f"\nHint: train hint {i}" if layout == "bird" else "" for i in range(len(train + others))]
+    assert [t["question"] for t in trajectories] == [
+        (e["question"].strip() if hint else e["question"]) + hint for e, hint in zip(train + others, hints)]
     assert set(tfds_caper.read_tables(root, "train")) >= {TRAIN_DB, OTHERS_DB}
     dirs = tfds_caper.database_dirs(root, "train")
     assert all((d / TRAIN_DB).is_dir() for d in dirs[:1])
@@ -160,6 +164,14 @@ def test_world_sft_examples_and_prm_annotation_find_every_database(layouts, layo
     tuples = [json.loads(line) for line in path.read_text().splitlines()]
     assert tuples and {t["db_id"] for t in tuples} <= {TRAIN_DB, OTHERS_DB}
     assert TRAIN_DB in {t["db_id"] for t in tuples}   # its database was found (BIRD: train_databases/)
+    # The PRM reads the prompt the policy wrote in: BIRD's evidence is the question's Hint line (GRPO's
+    # PRM scores the policy's own prompt + completion).
+    from caper_jax.sql.contract import policy_prompt, prm_prompt
+
+    policy_prompts = {policy_prompt(e.question, t["schema"], e.evidence) for t in tuples[:1] for e in train_examples
+                      if e.db_id == t["db_id"]}
+    assert prm_prompt(tuples[0]["question"], tuples[0]["schema"]) in policy_prompts
+    assert all(("\nHint: train hint " in t["question"]) == (layout == "bird") for t in tuples)
 
 
 def test_prm_config_has_a_validated_annotation_semantics():
@@ -199,3 +211,25 @@ def test_a_bad_predictions_line_is_skipped_with_its_number(tmp_path, caplog):
     assert got == [{"question": "q", "db_id": "d", "gold": "SELECT 1"}, good]
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert [m.split(" line ")[1].split(" ")[0] for m in skipped] == ["1", "3", "4", "5"]
+
+
+def test_bird_evidence_reaches_the_prm_rows_of_verify_and_of_predictions_lines(layouts, tmp_path):
+    """verify localize's rows and the annotator's predictions lines carry the question as the prompts show
+    it: a line's own evidence, else its question's from the split."""
+    from caper_jax.eval.verify import read_failures
+
+    _, b, (dev, _, _) = layouts
+    wrong = [{"index": i, "pred": "SELECT 1"} for i in range(len(dev))]
+    predictions = tmp_path / "p.jsonl"
+    predictions.write_text("".join(json.dumps(r) + "\n" for r in wrong))
+    rows, _ = read_failures(b, "dev", predictions, report=lambda message: None)
+    for row in rows:
+        i = int(row["question"].rsplit("\nHint: dev hint ", 1)[1])
+        assert row["question"] == dev[i]["question"].strip() + f"\nHint: dev hint {i}"
+    assert rows
+
+    shown = readers.ShownQuestions(readers.load_split(b, "dev"))
+    first = {"db_id": dev[0]["db_id"], "question": dev[0]["question"]}
+    assert shown(first) == dev[0]["question"].strip() + "\nHint: dev hint 0"
+    assert shown({**first, "evidence": "its own"}) == dev[0]["question"].strip() + "\nHint: its own"
+    assert shown({"db_id": "other", "question": " q "}) == " q "   # no evidence: as written

@@ -64,6 +64,10 @@ def test_prompts_hold_schema_question_and_hint():
     hinted = contract.policy_prompt("Q?", schema, evidence="pets are animals")
     assert "\nHint: pets are animals<|im_end|>" in hinted
     assert contract.prm_prompt("Q?", schema, "e") == contract.policy_prompt("Q?", schema, "e")
+    # the PRM's inputs carry the question as shown (prompt_question): the same prompt, hint included
+    assert contract.prm_prompt(contract.prompt_question(" Q? ", " e "), schema) == contract.policy_prompt(
+        " Q? ", schema, " e ") == f"<|im_start|>user\n{schema}\nQuestion: Q?\nHint: e<|im_end|>\n<|im_start|>assistant\n"
+    assert contract.prompt_question("  Q?  ", "") == "  Q?  "   # no evidence: the split's text, unchanged
 
 
 def test_spider_dev_reader(spider, caplog):
