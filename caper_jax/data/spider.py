@@ -43,6 +43,8 @@ import os
 import pathlib
 from typing import Any, Iterable, Mapping, Sequence
 
+from caper_jax.sql.contract import prompt_question
+
 log = logging.getLogger(__name__)
 
 _SPLIT_FILES = {
@@ -79,8 +81,6 @@ class ShownQuestions:
         self._evidence = {(ex.db_id, ex.question): ex.evidence for ex in examples if ex.evidence}
 
     def __call__(self, record: Mapping[str, Any]) -> str:
-        from caper_jax.sql.contract import prompt_question
-
         question = str(record.get("question", ""))
         evidence = record.get("evidence") or self._evidence.get((record.get("db_id"), question), "")
         return prompt_question(question, str(evidence))
