@@ -803,7 +803,7 @@ def with_candidate_contrasts(world_dir: str | os.PathLike, database_dir: Any, sp
                              tuples_path: str | os.PathLike) -> pathlib.Path:
     """``tuples_path``'s tuples plus the candidate contrasts of ``predictions_<split>.jsonl``, as a new
     JSONL next to it (``<name>-contrasts.jsonl``, built once: the same inputs give the same tuples)."""
-    from caper_jax.data.spider import DataError, ShownQuestions, load_split
+    from caper_jax.data.spider import ShownQuestions
     from caper_jax.data.tfds_caper import read_tables
     from caper_jax.sql.tuples import Annotator
 
@@ -814,10 +814,7 @@ def with_candidate_contrasts(world_dir: str | os.PathLike, database_dir: Any, sp
     predictions = pathlib.Path(world_dir) / f"predictions_{split}.jsonl"
     records = [json.loads(line) for line in predictions.read_text().splitlines() if line.strip()] \
         if predictions.exists() else []
-    try:   # questions as the prompts show them (BIRD's evidence as a Hint line), as the annotator reads them
-        shown = ShownQuestions(load_split(world_dir, split))
-    except DataError:
-        shown = ShownQuestions(())
+    shown = ShownQuestions.of_split(world_dir, split)   # BIRD's evidence as a Hint line, as the annotator reads it
     records = [{**r, "question": shown(r)} if isinstance(r, dict) and isinstance(r.get("question"), str) else r
                for r in records]
     tables = read_tables(world_dir)

@@ -80,6 +80,14 @@ class ShownQuestions:
     def __init__(self, examples: Iterable[Example]):
         self._evidence = {(ex.db_id, ex.question): ex.evidence for ex in examples if ex.evidence}
 
+    @classmethod
+    def of_split(cls, data_dir: str | os.PathLike, split: str) -> "ShownQuestions":
+        """Over ``split``'s examples; a folder without the split's file has no evidence to add."""
+        try:
+            return cls(load_split(data_dir, split))
+        except DataError:
+            return cls(())
+
     def __call__(self, record: Mapping[str, Any]) -> str:
         question = str(record.get("question", ""))
         evidence = record.get("evidence") or self._evidence.get((record.get("db_id"), question), "")

@@ -21,7 +21,7 @@ import random
 import numpy as np
 
 from caper_jax.data import prm_pipeline as pipe_lib
-from caper_jax.data.spider import DataError, ShownQuestions, load_schemas, load_split
+from caper_jax.data.spider import ShownQuestions, load_schemas
 from caper_jax.parallel import multihost
 from caper_jax.prm import localization as loc
 from caper_jax.prm.scoring import scores_in_batches
@@ -50,10 +50,7 @@ class PrmEvaluator:
         if not path.exists():
             return []
         schemas = {db: serialize_schema(entry) for db, entry in load_schemas(world.dir).items()}
-        try:   # BIRD's evidence, as the prompts show it; a world without the split's file has none
-            shown = ShownQuestions(load_split(world.dir, split))
-        except DataError:
-            shown = ShownQuestions(())
+        shown = ShownQuestions.of_split(world.dir, split)   # BIRD's evidence, as the prompts show it
         annotator = Annotator(world.database_dir)
         rows = []
         for line in path.read_text().splitlines():
