@@ -57,8 +57,9 @@ def _flat(keys):
 
 
 def test_empty_databases_are_dev_tables_json_as_sqlite_reads_them(data, databases):
-    """SQLite's own catalogue of each built file lists dev_tables.json's tables, columns (order, spelling,
-    declared type, whose case SQLite does not keep), primary keys (composite ones in key order) and foreign keys, and holds no row."""
+    """SQLite's own catalogue of each built file lists dev_tables.json's tables, columns (order,
+    spelling, declared type, whose case SQLite does not keep), primary keys (composite ones in key
+    order) and foreign keys, and holds no row."""
     entries = json.loads((data / "dev_tables.json").read_text())
     assert len(entries) == 11
     for entry in entries:
@@ -88,6 +89,19 @@ def test_empty_databases_are_dev_tables_json_as_sqlite_reads_them(data, database
             connection.close()
 
 
+@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
+    "caper_jax/sql/schema.py Schema.from_spider refuses every BIRD entry: set(primary_keys) fails on a "
+    "composite key (a list), and BIRD's column_types are SQLite type names (integer, real, date, datetime), "
+    "not Spider's type classes, so Column() raises 'bad type'. Fix there: flatten list keys before the set, "
+    "map a type that is not a class through type_class(); then remove this mark"))
+def test_schema_from_dev_tables_json_equals_the_sqlite_catalogue(data, databases):
+    for entry in json.loads((data / "dev_tables.json").read_text()):
+        written = Schema.from_spider(entry)
+        catalogue = Schema.from_sqlite(bird.database_path(databases, entry["db_id"]), entry["db_id"])
+        assert written.tables == catalogue.tables and written.columns == catalogue.columns
+        assert set(written.foreign_keys) == set(catalogue.foreign_keys)
+
+
 def test_builder_quotes_every_name_and_never_overwrites(tmp_path):
     entry = {"db_id": "odd", "table_names_original": ["order", "a b"],
              "column_names_original": [[-1, "*"], [0, "id"], [0, 'say "hi" (%)'], [1, "order"], [1, "x-1"]],
@@ -100,7 +114,8 @@ def test_builder_quotes_every_name_and_never_overwrites(tmp_path):
         assert result.ok and result.rows == () and result.columns == ('say "hi" (%)', "x-1")
     schema = Schema.from_sqlite(path, "odd")
     assert [c.name for c in schema.primary_keys("a b")] == ["order", "x-1"]
-    assert [(f.table, f.column, f.ref_table, f.ref_column) for f in schema.foreign_keys] == [("a b", "order", "order", "id")]
+    assert [(f.table, f.column, f.ref_table, f.ref_column) for f in schema.foreign_keys] == [
+        ("a b", "order", "order", "id")]
     before = path.read_bytes()
     with pytest.raises(FileExistsError):
         bird.build_empty_database(entry, path)
