@@ -7,7 +7,8 @@ Database Grounded Text-to-SQLs", NeurIPS 2023; data CC BY-SA 4.0) comes with its
 schemas (``dev_tables.json``) and, in ``predictions/*.sql``, six published systems' predictions;
 its databases are not here. For the gold and every prediction this survey records:
 
-* whether ``split_clauses`` and ``canonicalize`` (with the schema SQLite reports for the database,
+* whether ``split_clauses`` (``nested=True``: subqueries' units too, whose spans it keeps) and
+  ``canonicalize`` (with the schema SQLite reports for the database,
   as the annotator reads it: ``Schema.from_sqlite``) accept it, and if canonicalize had to fall back
   to the unqualified form;
 * whether it executes, through the project's sandboxed ``Executor``, on an empty database built
@@ -62,6 +63,7 @@ class Outcome:
     qualified: bool = False     # canonicalize resolved every column against the schema
     execution_error: str = ""   # "<error_kind>: <SQLite's message>"; "" when it executes
     canonical_error: str | None = None   # the canonical form's execution error; None when not tried
+    units: tuple[tuple[str, int, int, int], ...] = ()   # split_clauses(sql, nested=True): (name, start, end, depth)
 
     @property
     def parses(self) -> bool:
@@ -134,15 +136,16 @@ def systems_of(data: pathlib.Path) -> list[str]:
     return sorted(p.stem for p in (data / "predictions").glob("*.sql"))
 
 
-def _parse(sql: str, schema: Schema) -> tuple[str, object]:
+def _parse(sql: str, schema: Schema) -> tuple[str, object, tuple]:
+    """(error, canonical form, clause units) of one query; the error names the step that refused it."""
     try:
-        split_clauses(sql)
+        units = tuple((u.name, u.start, u.end, u.depth) for u in split_clauses(sql, nested=True))
     except SqlParseError as error:
-        return f"split_clauses: {error}", None
+        return f"split_clauses: {error}", None, ()
     try:
-        return "", canonicalize(sql, schema)
+        return "", canonicalize(sql, schema), units
     except CanonicalizeError as error:
-        return f"canonicalize: {error}", None
+        return f"canonicalize: {error}", None, units
 
 
 def _error(result) -> str:
@@ -162,7 +165,7 @@ def survey(data: str | os.PathLike, databases: str | os.PathLike, systems: Seque
             raise DataError(f"{system}.sql has {len(predictions)} lines for {len(examples)} questions")
         sources.append((system, predictions))
     outcomes = []
-    parsed: dict[tuple[str, str], tuple[str, object]] = {}   # 17 % of the texts repeat one already seen
+    parsed: dict[tuple[str, str], tuple[str, object, tuple]] = {}   # 17 % of the texts repeat one already seen
     with Executors(databases) as executors:
         schemas = {db: Schema.from_sqlite(executors.db_path(db), db) for db in {e.db_id for e in examples}}
         for source, queries in sources:
@@ -170,14 +173,14 @@ def survey(data: str | os.PathLike, databases: str | os.PathLike, systems: Seque
                 key = (example.db_id, sql)
                 if key not in parsed:
                     parsed[key] = _parse(sql, schemas[example.db_id])
-                parse_error, canonical = parsed[key]
+                parse_error, canonical, units = parsed[key]
                 execution_error = _error(executors.execute(example.db_id, sql))
                 canonical_error = None
                 if canonical is not None and not execution_error:
                     canonical_error = _error(executors.execute(example.db_id, canonical.tree.sql(dialect=DIALECT)))
                 outcomes.append(Outcome(source, example.index, example.db_id, sql, parse_error,
                                         canonical is not None and canonical.qualified, execution_error,
-                                        canonical_error))
+                                        canonical_error, units))
     return outcomes
 
 
@@ -253,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             build_empty_databases(args.data / "dev_tables.json", databases)
             outcomes = survey(args.data, databases)
-        except (DataError, ValueError) as error:
+        except (DataError, ValueError, OSError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
     print(report(outcomes))

@@ -132,7 +132,27 @@ def test_every_gold_splits_canonicalises_and_executes(gold_outcomes):
     assert [o.index for o in gold_outcomes if o.parse_error] == []
     assert [o.index for o in gold_outcomes if not o.qualified] == []      # every column resolved
     assert [(o.index, o.execution_error) for o in gold_outcomes if o.execution_error] == []
+    _assert_units_tile(gold_outcomes)
     assert _canonical_failures(gold_outcomes) == _expected_canonical_failures({bird_dialect.GOLD})
+
+
+def _assert_units_tile(outcomes):
+    """split_clauses(nested=True) spans start at their clause's keyword, subquery units included
+    (backquoted names, CAST, IIF, … inside them), and the top-level units cover the text but for
+    whitespace and a final ';'."""
+    for outcome in outcomes:
+        if outcome.parse_error:
+            continue
+        sql, where = outcome.sql, (outcome.source, outcome.index)
+        assert outcome.units, where
+        for name, start, end, _ in outcome.units:
+            assert sql[start:end].split(None, 1)[0].upper() == name.split()[0], where
+        position = 0
+        for _, start, end, depth in outcome.units:
+            if depth == 0:
+                assert not sql[position:start].strip(), where
+                position = end
+        assert sql[position:].strip() in ("", ";"), where
 
 
 def _canonical_failures(outcomes):
@@ -157,6 +177,7 @@ def test_prediction_parse_errors_are_the_listed_faults_of_the_predictions(predic
         assert bird_dialect.fault_kind(outcome.sql) == listed[key]["kind"], key
         kind = outcome.execution_error.split(":")[0]
         assert kind in ("parse", "forbidden"), (key, outcome.execution_error)   # SQLite refuses it too
+    _assert_units_tile(prediction_outcomes)
     assert _canonical_failures(prediction_outcomes) == _expected_canonical_failures(systems)
 
 
