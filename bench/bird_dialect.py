@@ -8,9 +8,8 @@ schemas (``dev_tables.json``) and, in ``predictions/*.sql``, six published syste
 its databases are not here. For the gold and every prediction this survey records:
 
 * whether ``split_clauses`` (``nested=True``: subqueries' units too, whose spans it keeps) and
-  ``canonicalize`` (with the schema SQLite reports for the database,
-  as the annotator reads it: ``Schema.from_sqlite``) accept it, and if canonicalize had to fall back
-  to the unqualified form;
+  ``canonicalize`` (with the schema SQLite reports for the database, as the annotator reads it:
+  ``Schema.from_sqlite``) accept it, and if canonicalize had to fall back to the unqualified form;
 * whether it executes, through the project's sandboxed ``Executor``, on an empty database built
   from ``dev_tables.json`` (``caper_jax.data.bird``): every name must resolve and every function
   exist, though no rows come back;
