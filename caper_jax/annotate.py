@@ -162,7 +162,7 @@ def run_inject(db: str, input_path: str, output_path: str, settings: AnnotationS
             try:
                 negatives = inject_faults(gold, executor, schema, settings.per_query, rng,
                                           max_attempts=settings.max_attempts, compound=settings.compound,
-                                          balance=settings.site_balance)
+                                          balance=settings.site_balance, semantics=settings.semantics)
             except ValueError as e:     # SqlParseError
                 raise InputError(f"gold query does not parse: {e}") from e
             out = []

@@ -151,6 +151,7 @@ def canonicalize(sql: str | exp.Expression, schema: AnySchema | None = None, *,
         aliases = {canonical: written.get(alias, alias)
                    for canonical, alias in _rename_table_instances(tree).items()}
         _drop_projection_aliases(tree)
+        tag_written_clauses(tree)
         if rules:
             equivalences.apply_rules(tree, facts, rules)
     except SqlglotError as e:
@@ -159,6 +160,32 @@ def canonicalize(sql: str | exp.Expression, schema: AnySchema | None = None, *,
         # canonical form, so the query is handled as one the annotator cannot analyse.
         raise CanonicalizeError(f"cannot resolve the query's tables: {e}") from e
     return Canonical(tree=tree, qualified=qualified, aliases=aliases)
+
+
+# meta key of the written clause (``Position.key``) that holds a node's text, set before the
+# equivalence rules run: a rule that moves a node into another clause (a WHERE join condition into
+# FROM) keeps it, so rewards and blame go to the clause the query was written with.
+WRITTEN = "written_clause"
+
+
+def tag_written_clauses(tree: exp.Expression) -> None:
+    """Marks every node of ``tree`` with the key of the top-level clause unit it is written in."""
+    slots = clause_slots(tree)
+    for position, slot in zip(positions([s.name for s in slots]), slots):
+        for node in slot.nodes:
+            for inner in node.walk():
+                inner.meta[WRITTEN] = position.key
+
+
+def written_clause(node: exp.Expression | None) -> str | None:
+    """The written clause key of a node of a canonical tree: its own tag or its nearest tagged
+    ancestor's (a node a rule created lies where the rule put it); None when untagged."""
+    while node is not None:
+        key = node.meta.get(WRITTEN) if node._meta is not None else None
+        if key is not None:
+            return key
+        node = node.parent
+    return None
 
 
 def _quoted_strings_to_literals(tree: exp.Expression, schema: SchemaMapping) -> exp.Expression:

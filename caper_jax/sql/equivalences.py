@@ -273,6 +273,7 @@ def equated_columns(tree: exp.Expression, facts: SchemaFacts) -> None:
             return x
 
         equalities, others = [], []
+        written: dict[tuple[str, str], dict] = {}   # column -> meta of the first equality naming it
         for condition in conditions:
             pair = _column_equality(select, condition, instances)
             if pair is None:
@@ -284,6 +285,8 @@ def equated_columns(tree: exp.Expression, facts: SchemaFacts) -> None:
                 others.append(condition)     # SQLite may convert one side: equal, yet printed apart
                 continue
             equalities.append(condition)
+            for member in pair:
+                written.setdefault(member, condition.meta)
             a, b = find(pair[0]), find(pair[1])
             if a != b:
                 parent[max(a, b)] = min(a, b)
@@ -308,13 +311,23 @@ def equated_columns(tree: exp.Expression, facts: SchemaFacts) -> None:
         # whose order follows Python's per-process string hashing (PYTHONHASHSEED), and sorting the
         # unsorted lists ordered the ON conjuncts differently from one run to the next.
         for first, *rest in sorted(sorted(members) for members in classes.values()):
-            spanning += [exp.EQ(this=_column(first), expression=_column(m)) for m in rest]
+            spanning += [_with_meta(exp.EQ(this=_column(first), expression=_column(m)), written.get(m))
+                         for m in rest]
         for join in joins:
             join.set("on", None)
         joins[-1].set("on", _and(spanning + [o.copy() for o in others]))
         for join in joins:
             if join.args.get("on") is not None and (join.args.get("kind") or "").upper() == "CROSS":
                 join.set("kind", None)
+
+
+def _with_meta(node: exp.Expression, meta: dict | None) -> exp.Expression:
+    """``node`` and every node under it with ``meta`` (where the equality it rewrites was written:
+    canonical.WRITTEN keeps a moved join condition blamed in its own clause)."""
+    if meta:
+        for inner in node.walk():
+            inner.meta.update(meta)
+    return node
 
 
 def _column(ref: tuple[str, str]) -> exp.Column:

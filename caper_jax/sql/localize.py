@@ -79,6 +79,7 @@ class Localization:
     harmless: tuple[str, ...] = ()           # divergent clauses kept: harmless here, by execution
     corrected_verified: bool = False         # corrected_sql executes to gold's result
     executions: int = 0                      # queries executed beyond gold and prediction
+    root_key: str | None = None              # Position.key of the root clause as written ("UNION#2")
 
     def as_dict(self) -> dict:
         return {"correct": self.correct, "root_clause": self.root_clause,
@@ -108,7 +109,7 @@ class _Counting:
 
 
 def localize(gold_sql: str, pred_sql: str, executor: Executor, schema: AnySchema | None = None,
-             *, alpha: float = 1.0, sigma: float = 1.0, reference_edges: bool = True,
+             *, alpha: float = 1.0, sigma: float = 1.0, reference_edges: bool = False,
              semantics: str = "spider", rules: Sequence[str] | None = None, verify: bool = True,
              suspects: bool = True) -> Localization:
     """Localises the root cause of ``pred_sql`` against ``gold_sql`` (see module docstring).
@@ -170,9 +171,11 @@ def localize_failed(gold_sql: str, pred_sql: str, schema: AnySchema | None,
         pred_slots = _by_position(canon.clause_slots(pred.tree))
         divergent = divergent_positions(gold_slots, pred_slots)
     if not divergent:
-        fallback = _textual_root(gold_sql, pred_sql) or "SELECT"
-        rewards = {p.key: (-alpha if p.key == fallback else 0.0) for p in pred_slots}
-        return Localization(False, fallback, rewards, None, (), None, "no_canonical_difference", error_kind)
+        fallback = _textual_root(gold_sql, pred_sql) or Position("SELECT")
+        rewards = {p.key: (-alpha if p == fallback else 0.0) for p in pred_slots}
+        rewards.setdefault(fallback.key, -alpha)
+        return Localization(False, fallback.name, rewards, None, (), None, "no_canonical_difference", error_kind,
+                            root_key=fallback.key)
 
     if executor is None or gold_result is None:
         walk = _Walk(canonical_root(gold_slots, pred_slots, divergent), (), None, "canonical_fallback:no_executor")
@@ -538,10 +541,22 @@ def _counterfactual(position: Position, gold: Canonical, pred: Canonical, g: Cla
                      else _raw_clause_text(pred_sql, position) or _slot_sql(p))
     rewards = propagation.clause_rewards(query, v_star, alpha=alpha, sigma=sigma,
                                          reference_edges=reference_edges, schema=schema)
+    root = position.key
     if p is None:
         rewards[position.key] = -alpha      # the missing clause's position
-    return Localization(False, position.name, rewards, root_node,
-                        tuple(op.as_dict() for op in script.ops), None, "divergent_clause", error_kind)
+    else:
+        # Blame lies in the clause v*'s text is written in (a condition an equivalence rule moved
+        # into FROM is still the WHERE's): the pairs are cut from the query as written.
+        root = propagation.written_root(query, v_star) or position.key
+    return Localization(False, _position(root).name, rewards, root_node,
+                        tuple(op.as_dict() for op in script.ops), None, "divergent_clause", error_kind,
+                        root_key=root)
+
+
+def _position(key: str) -> Position:
+    """Inverse of ``Position.key``: ``"UNION#2"`` -> Position("UNION", 1)."""
+    name, _, number = key.partition("#")
+    return Position(name, int(number) - 1 if number else 0)
 
 
 def _in_query(clause: LabelledNode, v_star: LabelledNode | None) -> LabelledNode:
@@ -754,16 +769,19 @@ def text_clauses(sql: str) -> list[tuple[str, int]]:
 def _unparseable(gold_sql: str, pred_sql: str, error: BaseException | None, alpha: float,
                  error_kind: str) -> Localization:
     clauses = text_clauses(pred_sql)
+    keyed = list(zip(positions([name for name, _ in clauses]), (start for _, start in clauses)))
     offset, token = _error_offset(pred_sql, error)
-    root = None
-    if offset is not None and clauses:
-        before = [name for name, start in clauses if start <= offset]
-        root = before[-1] if before else clauses[0][0]
-    root = root or _textual_root(gold_sql, pred_sql) or "SELECT"
-    keys = [p.key for p in positions([name for name, _ in clauses])] or [root]
-    rewards = {k: (-alpha if k == root else 0.0) for k in keys}
-    rewards.setdefault(root, -alpha)
-    return Localization(False, root, rewards, token, (), None, "parse_error", error_kind)
+    root: Position | None = None
+    if offset is not None and keyed:
+        # By occurrence: an error in the second UNION is the second UNION's, not the first's.
+        before = [position for position, start in keyed if start <= offset]
+        root = before[-1] if before else keyed[0][0]
+    if root is None:
+        root = _textual_root(gold_sql, pred_sql) or Position("SELECT")
+    keys = [position.key for position, _ in keyed] or [root.key]
+    rewards = {k: (-alpha if k == root.key else 0.0) for k in keys}
+    rewards.setdefault(root.key, -alpha)
+    return Localization(False, root.name, rewards, token, (), None, "parse_error", error_kind, root_key=root.key)
 
 
 def _error_offset(sql: str, error: BaseException | None) -> tuple[int | None, str | None]:
@@ -778,8 +796,8 @@ def _error_offset(sql: str, error: BaseException | None) -> tuple[int | None, st
     return max(0, min(start, len(sql))), token
 
 
-def _textual_root(gold_sql: str, pred_sql: str) -> str | None:
-    """First clause whose whitespace/case-normalised text differs between the two queries."""
+def _textual_root(gold_sql: str, pred_sql: str) -> Position | None:
+    """First clause position whose whitespace/case-normalised text differs between the two queries."""
     def units(sql: str) -> dict[Position, str]:
         found = text_clauses(sql)
         names = positions([n for n, _ in found])
@@ -788,5 +806,5 @@ def _textual_root(gold_sql: str, pred_sql: str) -> str | None:
     g, p = units(gold_sql), units(pred_sql)
     for position in align(list(g), list(p)):
         if g.get(position) != p.get(position):
-            return position.name
+            return position
     return None

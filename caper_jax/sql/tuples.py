@@ -58,7 +58,7 @@ import random
 from collections.abc import Mapping
 
 from caper_jax.sql import canonical as canon
-from caper_jax.sql import propagation
+from caper_jax.sql import invariants, propagation
 from caper_jax.sql.canonical import AnySchema, Position, align, position_rank
 from caper_jax.sql.clauses import ClauseUnit, SqlParseError
 from caper_jax.sql.contract import END_OF_SQL, serialize_schema
@@ -186,26 +186,74 @@ def _position(key: str) -> Position:
     return Position(name, int(number) - 1 if number else 0)
 
 
-def counterfactual_tuples(context: Context, pred_sql: str, localization: Localization, *,
-                          margin_floor: float, within_trajectory: bool = False) -> list[PreferenceTuple]:
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """A tuple with the whole query its chosen state is cut from, and why it was dropped (None: kept)."""
+    tuple: PreferenceTuple
+    positive_sql: str
+    dropped: str | None = None
+
+
+def checked(tuples: list[PreferenceTuple], *, positive_sql: str, alpha: float, within: bool,
+            root_state: tuple[str, str] | None) -> list[Pair]:
+    """Each tuple with the first invariant it breaks (``caper_jax.sql.invariants``), or None."""
+    return [Pair(t, positive_sql, invariants.violation(t, positive_sql=positive_sql, alpha=alpha, within=within,
+                                                       root_state=root_state)) for t in tuples]
+
+
+def root_state(sql: str, root_key: str | None) -> tuple[str, str] | None:
+    """(prefix, clause) the negative wrote at the position of the clause holding v*."""
+    if root_key is None:
+        return None
+    try:
+        units = clause_units(sql)
+    except SqlParseError:
+        return None
+    unit = _state_at(units, _position(root_key))
+    return state_text(sql, units, unit) if unit is not None else None
+
+
+def counterfactual_pairs(context: Context, pred_sql: str, localization: Localization, *, margin_floor: float,
+                         alpha: float, within_trajectory: bool = False) -> list[Pair]:
     """Corrected query (positive) against the prediction (negative); with ``within_trajectory``
-    also the prediction's clauses against its root clause."""
+    also the prediction's clauses against its root clause. Every pair checked."""
     if localization.correct or localization.corrected_sql is None:
         return []
     try:
-        out = aligned_tuples(context, positive_sql=localization.corrected_sql, positive_rewards={},
-                             negative_sql=pred_sql, negative_rewards=localization.clause_rewards,
-                             margin_floor=margin_floor, provenance="counterfactual")
-        if within_trajectory:
-            out += within_trajectory_tuples(context, negative_sql=pred_sql,
-                                            negative_rewards=localization.clause_rewards,
-                                            margin_floor=margin_floor, provenance="within:counterfactual")
-        return out
+        aligned = aligned_tuples(context, positive_sql=localization.corrected_sql, positive_rewards={},
+                                 negative_sql=pred_sql, negative_rewards=localization.clause_rewards,
+                                 margin_floor=margin_floor, provenance="counterfactual")
+        within = within_trajectory_tuples(context, negative_sql=pred_sql,
+                                          negative_rewards=localization.clause_rewards,
+                                          margin_floor=margin_floor,
+                                          provenance="within:counterfactual") if within_trajectory else []
     except SqlParseError:
         return []
+    root = root_state(pred_sql, localization.root_key)
+    return (checked(aligned, positive_sql=localization.corrected_sql, alpha=alpha, within=False, root_state=root)
+            + checked(within, positive_sql=pred_sql, alpha=alpha, within=True, root_state=root))
 
 
-def mutation_rewards(negative: Negative, *, alpha: float, sigma: float, reference_edges: bool = True,
+def counterfactual_tuples(context: Context, pred_sql: str, localization: Localization, *,
+                          margin_floor: float, within_trajectory: bool = False,
+                          alpha: float = 1.0) -> list[PreferenceTuple]:
+    """The kept tuples of ``counterfactual_pairs``."""
+    return [p.tuple for p in counterfactual_pairs(context, pred_sql, localization, margin_floor=margin_floor,
+                                                  alpha=alpha, within_trajectory=within_trajectory)
+            if p.dropped is None]
+
+
+def _mutation_v_star(negative: Negative):
+    query = canon.query_tree(negative.tree)
+    v_star = canon.find_labelled(query, negative.node) if negative.node is not None else None
+    if v_star is None or v_star is query:
+        v_star = next((c for c in query.children if c.label == negative.clause), None)
+    if v_star is None:
+        raise ValueError(f"mutated clause {negative.clause!r} is not in {negative.sql!r}")
+    return query, v_star
+
+
+def mutation_rewards(negative: Negative, *, alpha: float, sigma: float, reference_edges: bool = False,
                      schema: AnySchema | None = None) -> dict[str, float]:
     """Clause rewards of a mutated query, propagated from its mutated node.
 
@@ -213,33 +261,40 @@ def mutation_rewards(negative: Negative, *, alpha: float, sigma: float, referenc
     ``node`` the mutated node in it. A mutation that removed its node (e.g. dropping DISTINCT)
     leaves the clause itself as v*.
     """
-    query = canon.query_tree(negative.tree)
-    v_star = canon.find_labelled(query, negative.node) if negative.node is not None else None
-    if v_star is None or v_star is query:
-        v_star = next((c for c in query.children if c.label == negative.clause), None)
-    if v_star is None:
-        raise ValueError(f"mutated clause {negative.clause!r} is not in {negative.sql!r}")
+    query, v_star = _mutation_v_star(negative)
     return propagation.clause_rewards(query, v_star, alpha=alpha, sigma=sigma,
                                       reference_edges=reference_edges, schema=schema)
 
 
-def mutation_tuples(context: Context, negative: Negative, *, alpha: float, sigma: float, margin_floor: float,
-                    reference_edges: bool = True, schema: AnySchema | None = None,
-                    within_trajectory: bool = False) -> list[PreferenceTuple]:
+def mutation_pairs(context: Context, negative: Negative, *, alpha: float, sigma: float, margin_floor: float,
+                   reference_edges: bool = False, schema: AnySchema | None = None,
+                   within_trajectory: bool = False) -> list[Pair]:
     """Gold (positive) against one mutated query (negative); with ``within_trajectory`` also the
-    mutant's clauses against its mutated clause."""
-    rewards = mutation_rewards(negative, alpha=alpha, sigma=sigma, reference_edges=reference_edges,
-                               schema=schema)
+    mutant's clauses against its mutated clause. Every pair checked."""
+    query, v_star = _mutation_v_star(negative)
+    rewards = propagation.clause_rewards(query, v_star, alpha=alpha, sigma=sigma,
+                                         reference_edges=reference_edges, schema=schema)
     positive_sql = context.gold_sql
     if negative.sql == negative.tree.sql(dialect=canon.DIALECT):
         positive_sql = canon.parse(context.gold_sql).sql(dialect=canon.DIALECT)
-    out = aligned_tuples(context, positive_sql=positive_sql, positive_rewards={},
-                         negative_sql=negative.sql, negative_rewards=rewards,
-                         margin_floor=margin_floor, provenance=f"mutation:{negative.mutation}")
-    if within_trajectory:
-        out += within_trajectory_tuples(context, negative_sql=negative.sql, negative_rewards=rewards,
-                                        margin_floor=margin_floor, provenance=f"within:{negative.mutation}")
-    return out
+    aligned = aligned_tuples(context, positive_sql=positive_sql, positive_rewards={},
+                             negative_sql=negative.sql, negative_rewards=rewards,
+                             margin_floor=margin_floor, provenance=f"mutation:{negative.mutation}")
+    within = within_trajectory_tuples(context, negative_sql=negative.sql, negative_rewards=rewards,
+                                      margin_floor=margin_floor,
+                                      provenance=f"within:{negative.mutation}") if within_trajectory else []
+    root = root_state(negative.sql, propagation.written_root(query, v_star))
+    return (checked(aligned, positive_sql=positive_sql, alpha=alpha, within=False, root_state=root)
+            + checked(within, positive_sql=negative.sql, alpha=alpha, within=True, root_state=root))
+
+
+def mutation_tuples(context: Context, negative: Negative, *, alpha: float, sigma: float, margin_floor: float,
+                    reference_edges: bool = False, schema: AnySchema | None = None,
+                    within_trajectory: bool = False) -> list[PreferenceTuple]:
+    """The kept tuples of ``mutation_pairs``."""
+    return [p.tuple for p in mutation_pairs(context, negative, alpha=alpha, sigma=sigma, margin_floor=margin_floor,
+                                            reference_edges=reference_edges, schema=schema,
+                                            within_trajectory=within_trajectory) if p.dropped is None]
 
 
 def tables_entry(schema: Schema) -> dict:
@@ -264,7 +319,7 @@ class AnnotationSettings:
     alpha: float = 1.0
     sigma: float = 1.0
     margin_floor: float = 0.05
-    reference_edges: bool = True
+    reference_edges: bool = False
     within_trajectory: bool = True
     per_query: int = 4
     compound: int = 0
@@ -305,6 +360,26 @@ class Annotation:
     error: str | None = None                      # error kind when source == "error"
     negatives_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
     tuples_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+    positive_sql: list[str] = dataclasses.field(default_factory=list)   # per tuple: the query chosen is cut from
+    dropped: list[Pair] = dataclasses.field(default_factory=list)       # tuples that broke an invariant
+
+    def extend(self, pairs: list[Pair], kind: str) -> int:
+        """Keeps the pairs that satisfy every invariant, records the others; returns how many were kept."""
+        kept = 0
+        for pair in pairs:
+            if pair.dropped is None:
+                self.tuples.append(pair.tuple)
+                self.positive_sql.append(pair.positive_sql)
+                kept += 1
+            else:
+                self.dropped.append(pair)
+        if kept:
+            self.tuples_by_kind[kind] = self.tuples_by_kind.get(kind, 0) + kept
+        return kept
+
+    def pairs(self) -> list[Pair]:
+        """Every pair, kept ones first (``Pair.dropped`` None), then the dropped ones."""
+        return [Pair(t, q) for t, q in zip(self.tuples, self.positive_sql)] + list(self.dropped)
 
 
 class AnnotationSummary:
@@ -322,6 +397,7 @@ class AnnotationSummary:
         self.errors: collections.Counter = collections.Counter()
         self.negatives_by_kind: collections.Counter = collections.Counter()
         self.tuples_by_kind: collections.Counter = collections.Counter()
+        self.dropped: collections.Counter = collections.Counter()     # invariant -> tuples dropped
 
     def add(self, annotation: Annotation) -> None:
         self.trajectories += 1
@@ -331,12 +407,13 @@ class AnnotationSummary:
             self.errors[annotation.error] += 1
         self.negatives_by_kind.update(annotation.negatives_by_kind)
         self.tuples_by_kind.update(annotation.tuples_by_kind)
+        self.dropped.update(pair.dropped for pair in annotation.dropped)
 
     def merge(self, other: AnnotationSummary) -> AnnotationSummary:
         """Adds the counts of ``other`` to this summary; returns it."""
         self.trajectories += other.trajectories
         self.tuples += other.tuples
-        for name in ("sources", "errors", "negatives_by_kind", "tuples_by_kind"):
+        for name in ("sources", "errors", "negatives_by_kind", "tuples_by_kind", "dropped"):
             getattr(self, name).update(getattr(other, name))
         return self
 
@@ -344,6 +421,7 @@ class AnnotationSummary:
         kinds = sorted(set(self.negatives_by_kind) | set(self.tuples_by_kind))
         return {"trajectories": self.trajectories, "tuples": self.tuples,
                 "sources": dict(self.sources), "errors": dict(self.errors),
+                "dropped_by_reason": dict(sorted(self.dropped.items())),
                 "yield_by_kind": {k: {"negatives": self.negatives_by_kind.get(k, 0),
                                       "tuples": self.tuples_by_kind.get(k, 0)} for k in kinds}}
 
@@ -435,10 +513,10 @@ class Annotator:
         kind = f"suspect:{loc.suspect}" if loc.suspect else "counterfactual"
         if loc.suspect and not s.suspect_tuples:
             return Annotation([], "counterfactual", negatives_by_kind={kind: 1})
-        tuples = counterfactual_tuples(context, pred, loc, margin_floor=s.margin_floor,
-                                       within_trajectory=s.within_trajectory)
-        return Annotation(tuples, "counterfactual", negatives_by_kind={kind: 1},
-                          tuples_by_kind={kind: len(tuples)} if tuples else {})
+        out = Annotation([], "counterfactual", negatives_by_kind={kind: 1})
+        out.extend(counterfactual_pairs(context, pred, loc, margin_floor=s.margin_floor, alpha=s.alpha,
+                                        within_trajectory=s.within_trajectory), kind)
+        return out
 
     def _mutations(self, context: Context, schema: Schema) -> Annotation:
         s = self.settings
@@ -446,7 +524,7 @@ class Annotator:
         try:
             negatives = inject_faults(context.gold_sql, self.executor(context.db_id), schema, s.per_query,
                                       rng, max_attempts=s.max_attempts, compound=s.compound,
-                                      balance=s.site_balance)
+                                      balance=s.site_balance, semantics=s.semantics)
         except SqlParseError:
             return Annotation([], "error", error="gold_parse")
         if not negatives and not self.executor(context.db_id).execute(context.gold_sql).ok:
@@ -454,11 +532,7 @@ class Annotator:
         out = Annotation([], "mutation")
         for negative in negatives:
             out.negatives_by_kind[negative.mutation] = out.negatives_by_kind.get(negative.mutation, 0) + 1
-            tuples = mutation_tuples(context, negative, alpha=s.alpha, sigma=s.sigma,
-                                     margin_floor=s.margin_floor, reference_edges=s.reference_edges,
-                                     schema=schema, within_trajectory=s.within_trajectory)
-            out.tuples.extend(tuples)
-            if tuples:
-                kind = negative.mutation
-                out.tuples_by_kind[kind] = out.tuples_by_kind.get(kind, 0) + len(tuples)
+            out.extend(mutation_pairs(context, negative, alpha=s.alpha, sigma=s.sigma,
+                                      margin_floor=s.margin_floor, reference_edges=s.reference_edges,
+                                      schema=schema, within_trajectory=s.within_trajectory), negative.mutation)
         return out

@@ -96,8 +96,12 @@ def test_edit_script_and_root_node(db):
 
 
 def test_reference_edge_reaches_from(db):
-    result = run(db, "SELECT name FROM singer", "SELECT country FROM singer", alpha=2.0, sigma=1.0)
+    result = run(db, "SELECT name FROM singer", "SELECT country FROM singer", alpha=2.0, sigma=1.0,
+                 reference_edges=True)
     assert result.clause_rewards == pytest.approx({"SELECT": -2.0, "FROM": -2.0 * 0.6065306597126334})
+    # Off by default (the paper's rule): the penalty stays in the clause holding v*.
+    paper = run(db, "SELECT name FROM singer", "SELECT country FROM singer", alpha=2.0, sigma=1.0)
+    assert paper.clause_rewards == {"SELECT": -2.0, "FROM": 0.0}
 
 
 @pytest.mark.parametrize("pred,root,token", [
