@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from sqlglot import exp
 
+from caper_jax.sql.contract import CLAUSE_ORDER
 from caper_jax.sql.labelled import label_tree
 
 # --------------------------------------------------------------------------------------------
@@ -273,7 +274,7 @@ def equated_columns(tree: exp.Expression, facts: SchemaFacts) -> None:
             return x
 
         equalities, others = [], []
-        written: dict[tuple[str, str], dict] = {}   # column -> meta of the first equality naming it
+        edges: dict[tuple[str, str], list[tuple[tuple[str, str], dict]]] = {}   # column -> (column, meta)
         for condition in conditions:
             pair = _column_equality(select, condition, instances)
             if pair is None:
@@ -285,8 +286,8 @@ def equated_columns(tree: exp.Expression, facts: SchemaFacts) -> None:
                 others.append(condition)     # SQLite may convert one side: equal, yet printed apart
                 continue
             equalities.append(condition)
-            for member in pair:
-                written.setdefault(member, condition.meta)
+            edges.setdefault(pair[0], []).append((pair[1], condition.meta))
+            edges.setdefault(pair[1], []).append((pair[0], condition.meta))
             a, b = find(pair[0]), find(pair[1])
             if a != b:
                 parent[max(a, b)] = min(a, b)
@@ -311,7 +312,7 @@ def equated_columns(tree: exp.Expression, facts: SchemaFacts) -> None:
         # whose order follows Python's per-process string hashing (PYTHONHASHSEED), and sorting the
         # unsorted lists ordered the ON conjuncts differently from one run to the next.
         for first, *rest in sorted(sorted(members) for members in classes.values()):
-            spanning += [_with_meta(exp.EQ(this=_column(first), expression=_column(m)), written.get(m))
+            spanning += [_with_meta(exp.EQ(this=_column(first), expression=_column(m)), _derived_meta(edges, first, m))
                          for m in rest]
         for join in joins:
             join.set("on", None)
@@ -319,6 +320,35 @@ def equated_columns(tree: exp.Expression, facts: SchemaFacts) -> None:
         for join in joins:
             if join.args.get("on") is not None and (join.args.get("kind") or "").upper() == "CROSS":
                 join.set("kind", None)
+
+
+# meta key of the written clause that holds a node's text (set by canonical.tag_written_clauses).
+WRITTEN = "written_clause"
+
+
+def _derived_meta(edges: dict, first: tuple[str, str], member: tuple[str, str]) -> dict:
+    """The meta of the written equality a rewritten ``first = member`` derives from: of the equalities
+    on the path that joins the two, the one written earliest (a wrong join key in ON is FROM's even
+    when a WHERE condition completes the chain)."""
+    came: dict = {first: None}
+    queue = [first]
+    while queue and member not in came:
+        node = queue.pop(0)
+        for nxt, meta in edges.get(node, ()):
+            if nxt not in came:
+                came[nxt] = (node, meta)
+                queue.append(nxt)
+    metas, node = [], member
+    while came.get(node) is not None:
+        node, meta = came[node]
+        metas.append(meta)
+    return min(metas, key=_written_rank, default={})
+
+
+def _written_rank(meta: dict) -> tuple[int, int]:
+    name, _, number = str(meta.get(WRITTEN, "")).partition("#")
+    rank = CLAUSE_ORDER.index(name) if name in CLAUSE_ORDER else len(CLAUSE_ORDER)
+    return rank, int(number or 1)
 
 
 def _with_meta(node: exp.Expression, meta: dict | None) -> exp.Expression:

@@ -199,8 +199,20 @@ def localize_failed(gold_sql: str, pred_sql: str, schema: AnySchema | None,
                     walk = dataclasses.replace(plain, reason="verified:without_rules")
                     gold, pred, gold_slots, pred_slots = plain_gold, plain_pred, plain_gold_slots, plain_pred_slots
                     divergent = plain_divergent
+    if walk.reason == "verified" and walk.root == Position("FROM") and executor is not None:
+        # A FROM that leaves out a table the prediction reads in a WHERE/HAVING subquery instead is
+        # a restructuring, not yet an error: the subquery is tried as the fallback tries it.
+        left = divergent[divergent.index(walk.root):]
+        restructured = _restructured_root(walk.root, gold, pred, left, executor, gold_result, semantics,
+                                          order_matters(gold_sql), schema)
+        if restructured is not None and restructured != walk.root:
+            walk = _Walk(restructured, walk.kept, None, "verified:restructured", walk.repair_also + (walk.root,))
+    walk = _compound_as_filter(walk, gold, pred, gold_slots, pred_slots, divergent)
     position = walk.root
-    repaired = [p for p in divergent if position_rank(p) >= position_rank(position) or p in walk.repair_also]
+    at = divergent.index(position) if position in divergent else None
+    repaired = [p for i, p in enumerate(divergent)
+                if (i >= at if at is not None else position_rank(p) >= position_rank(position))
+                or p in walk.repair_also]
     corrected, verified = _corrected(walk, gold, pred, pred_sql, repaired, executor, gold_result,
                                      order_matters(gold_sql), semantics)
     found = _counterfactual(position, gold, pred, gold_slots.get(position), pred_slots.get(position),
@@ -323,6 +335,31 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
     raise AssertionError("unreachable: the last divergent clause is always the root")
 
 
+def _compound_as_filter(walk: _Walk, gold: Canonical, pred: Canonical, gold_slots, pred_slots,
+                        divergent: list[Position]) -> _Walk:
+    """Gold combines queries (UNION / INTERSECT / EXCEPT) where the prediction answers with one:
+    its WHERE (OR, IN, NOT IN, IS NULL after a LEFT JOIN) is what decides which rows come out, so a
+    WHERE that differs from gold's is the root, before a FROM that only feeds it and before the
+    missing operator -- "the earliest decisive error in written order" read on the prediction's
+    own structure. Only when the walk's root is not written before FROM (a wrong SELECT stays the
+    root) and the prediction's FROM reads only tables gold reads (else FROM is wrong anyway)."""
+    where, from_ = Position("WHERE"), Position("FROM")
+    if (walk.root == where or where not in divergent or where not in pred_slots
+            or any(p.name in COMPOUND_NAMES for p in pred_slots)
+            or not any(p.name in COMPOUND_NAMES for p in gold_slots)
+            or position_rank(walk.root) < position_rank(from_)):
+        return walk
+    gold_tables = {t.name.lower() for t in gold.tree.find_all(exp.Table)}
+    pred_from = _first_select(pred.tree)
+    sources = ([pred_from.args["from_"].this] if pred_from.args.get("from_") else []) + \
+        [j.this for j in pred_from.args.get("joins") or []]
+    if not all(isinstance(t, exp.Table) and t.name.lower() in gold_tables for t in sources):
+        return walk
+    before = [p for p in divergent[:divergent.index(where)] if p not in walk.kept]
+    return _Walk(where, tuple(p for p in walk.kept if p != where), None, "verified:compound_as_filter",
+                 tuple(walk.repair_also) + tuple(before))
+
+
 def _restructured_root(root: Position, gold: Canonical, pred: Canonical, left: list[Position], executor,
                        gold_result: ExecResult, semantics: str, ordered: bool, schema) -> Position | None:
     """The root when the prediction's FROM cannot be judged alone because it reads a table of
@@ -350,7 +387,10 @@ def _restructured_root(root: Position, gold: Canonical, pred: Canonical, left: l
         return None         # the prediction never reads a table gold joins: its FROM lacks it
     if not all(isinstance(t, exp.Table) and t.name.lower() in gold_tables for t in pred_sources):
         return None         # its FROM joins what gold's does not: not a restructuring
-    for position in [p for p in left if p.name in ("WHERE", "HAVING")]:
+    own = {p: slot for p, slot in _by_position(canon.clause_slots(pred.tree)).items()}
+    # Only the prediction's own WHERE / HAVING can hold the subquery that reads the table: a
+    # clause it lacks is gold's alone and tells nothing about the restructuring.
+    for position in [p for p in left if p.name in ("WHERE", "HAVING") and p in own]:
         hybrid = _repair_all(pred.tree, gold.tree, [p for p in left if p != position])
         if hybrid is None:
             return None
@@ -590,14 +630,15 @@ def _splice(pred_sql: str, rendered: str, repaired: Sequence[Position]) -> str |
     except SqlParseError:
         return None
     text = pred_sql
-    for position in sorted(repaired, key=position_rank, reverse=True):
+    order = align(list(old_units), list(new_units))       # written order, compound units as written
+    for position in sorted((p for p in repaired if p in order), key=order.index, reverse=True):
         new, old = new_units.get(position), old_units.get(position)
         if old is not None and new is not None:
             text = text[:old.start] + new.text + text[old.end:]
         elif old is not None:         # gold lacks the clause: drop it
             text = (text[:old.start].rstrip() + " " + text[old.end:].lstrip()).strip()
         elif new is not None:         # the prediction lacks it: insert before the next clause
-            later = [u for p, u in old_units.items() if position_rank(p) > position_rank(position)]
+            later = [old_units[p] for p in order[order.index(position) + 1:] if p in old_units]
             at = min((u.start for u in later), default=len(text.rstrip().rstrip(";").rstrip()))
             text = (text[:at].rstrip() + " " + new.text + " " + text[at:].lstrip()).strip()
     return text

@@ -59,7 +59,7 @@ from collections.abc import Mapping
 
 from caper_jax.sql import canonical as canon
 from caper_jax.sql import invariants, propagation
-from caper_jax.sql.canonical import AnySchema, Position, align, position_rank
+from caper_jax.sql.canonical import AnySchema, Position, after, align, position_rank
 from caper_jax.sql.clauses import ClauseUnit, SqlParseError
 from caper_jax.sql.contract import END_OF_SQL, serialize_schema
 from caper_jax.sql.execution import Executor, Executors, database_dirs_of
@@ -110,12 +110,13 @@ def aligned_tuples(context: Context, *, positive_sql: str, positive_rewards: Map
         raise ValueError(f"margin_floor must be > 0, got {margin_floor}")
     pos_units, neg_units = clause_units(positive_sql), clause_units(negative_sql)
     out = []
-    for position in align(list(pos_units), list(neg_units)):
+    order = align(list(pos_units), list(neg_units))
+    for position in order:
         margin = positive_rewards.get(position.key, 0.0) - negative_rewards.get(position.key, 0.0)
         if margin < margin_floor:
             continue
-        chosen = _state_at(pos_units, position)
-        rejected = _state_at(neg_units, position)
+        chosen = _state_at(pos_units, position, order)
+        rejected = _state_at(neg_units, position, order)
         if chosen is None or rejected is None:
             continue
         prefix_chosen, chosen_text = state_text(positive_sql, pos_units, chosen)
@@ -130,15 +131,21 @@ def aligned_tuples(context: Context, *, positive_sql: str, positive_rewards: Map
     return out
 
 
-def _state_at(units: dict[Position, ClauseUnit], position: Position) -> ClauseUnit | None:
+def _state_at(units: dict[Position, ClauseUnit], position: Position,
+              order: list[Position] | None = None) -> ClauseUnit | None:
     """The unit at ``position``, or the one written next in its place, or (nothing written after
-    it) the query's last unit, whose state includes the end of the query (module docstring)."""
+    it) the query's last unit, whose state includes the end of the query (module docstring).
+
+    ``order``: the written order of both queries' positions (``align``); without it, the order of
+    ``units`` with ``position`` placed by ``align`` (a compound unit before the query's own).
+    """
     if position in units:
         return units[position]
-    later = [p for p in units if position_rank(p) > position_rank(position)]
-    if later:
-        return units[min(later, key=position_rank)]
-    return units[max(units, key=position_rank)] if units else None
+    order = order if order is not None else align(list(units), [position])
+    nxt = after(order, position, units)
+    if nxt is not None:
+        return units[nxt]
+    return units[list(units)[-1]] if units else None
 
 
 def state_text(sql: str, units: dict[Position, ClauseUnit], unit: ClauseUnit) -> tuple[str, str]:

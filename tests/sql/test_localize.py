@@ -263,10 +263,13 @@ def test_a_missing_distinct_is_judged_on_the_predictions_own_rows(db):
     gold = ("SELECT DISTINCT T1.name FROM singer AS T1 JOIN singer_in_concert AS T2 ON T1.singer_id = T2.singer_id "
             "WHERE T1.age > 30")
     # One table, no duplicates: the DISTINCT gold needs for its join cannot matter here. The
-    # prediction's FROM, which lacks the join its IN-subquery stands for, is blamed instead.
+    # prediction's FROM lacks the join its IN-subquery stands for: a restructuring, not an error
+    # (FROM singer begins a correct query); its WHERE (age > 40) is the earliest decisive error.
     single = "SELECT name FROM singer WHERE singer_id IN (SELECT singer_id FROM singer_in_concert) AND age > 40"
     result = run(db, gold, single)
-    assert (result.root_clause, result.harmless, result.reason) == ("FROM", ("SELECT",), "verified")
+    assert (result.root_clause, result.harmless, result.reason) == ("WHERE", ("SELECT",), "verified:restructured")
+    right = "SELECT name FROM singer WHERE singer_id IN (SELECT singer_id FROM singer_in_concert) AND age > 30"
+    assert run(db, gold, right).correct
     # The prediction's own join repeats singers (one row per concert): the missing DISTINCT is the error.
     joined = ("SELECT T1.name FROM singer AS T1 JOIN singer_in_concert AS T2 ON T1.singer_id = T2.singer_id "
               "WHERE T1.age > 40")
