@@ -163,3 +163,107 @@ def test_counterfactual_pairs_carry_the_positive_query(db):
         ("counterfactual", loc.corrected_sql), ("within:counterfactual", COMMA_JOIN),
         ("within:counterfactual", COMMA_JOIN)]
     assert results_equal(executor.execute(GOLD), executor.execute(loc.corrected_sql), ordered=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Compound queries: written order, earliest decisive error, occurrences.
+
+COMPOUND = "SELECT name FROM singer EXCEPT SELECT name FROM singer WHERE age > 40 UNION SELECT name FROM stadium"
+
+
+def test_compound_units_are_walked_in_written_order(db, annotator):
+    executor, schema = db
+    # Errors in both right-hand queries: the EXCEPT, written first, is the earliest decisive one.
+    both = ("SELECT name FROM singer EXCEPT SELECT name FROM singer WHERE age > 20 "
+            "UNION SELECT location FROM stadium")
+    loc = localize(COMPOUND, both, executor, schema)
+    assert (loc.root_clause, loc.root_key, loc.reason) == ("EXCEPT", "EXCEPT", "verified")
+    assert list(loc.clause_rewards) == ["SELECT", "FROM", "EXCEPT", "UNION"]
+    assert loc.clause_rewards["EXCEPT"] == -1.0 and loc.clause_rewards["UNION"] == 0.0
+    annotation = annotator(record(COMPOUND, both))
+    assert annotation.tuples and not annotation.dropped
+    # The erroneous EXCEPT is never the chosen side; every pair rejects it.
+    assert all("age > 20" not in t.chosen and "age > 20" in t.rejected for t in annotation.tuples)
+    # Only the UNION wrong: the UNION is the root.
+    union_only = "SELECT name FROM singer EXCEPT SELECT name FROM singer WHERE age > 40 UNION SELECT location FROM stadium"
+    assert localize(COMPOUND, union_only, executor, schema).root_key == "UNION"
+
+
+def test_align_and_missing_states_follow_the_written_order():
+    from caper_jax.sql.canonical import align, positions
+    from caper_jax.sql.localize import clause_units
+    from caper_jax.sql.tuples import _state_at
+    written = positions(["SELECT", "FROM", "EXCEPT", "UNION"])
+    shorter = positions(["SELECT", "FROM", "UNION", "ORDER BY"])
+    assert [p.key for p in align(written, shorter)] == ["SELECT", "FROM", "EXCEPT", "UNION", "ORDER BY"]
+    assert [p.key for p in align(shorter, written)] == ["SELECT", "FROM", "EXCEPT", "UNION", "ORDER BY"]
+    units = clause_units("SELECT a FROM t UNION SELECT b FROM u ORDER BY 1")
+    # EXCEPT is missing here: its state is the unit written in its place, the UNION.
+    assert _state_at(units, written[2], align(written, shorter)).text == "UNION SELECT b FROM u"
+
+
+def test_a_missing_operator_is_the_root_when_the_query_before_it_is_gold_s(db, annotator):
+    executor, schema = db
+    missing = "SELECT name FROM singer EXCEPT SELECT name FROM singer WHERE age > 40"
+    loc = localize(COMPOUND, missing, executor, schema)
+    assert (loc.root_clause, loc.root_node, loc.clause_rewards) == (
+        "UNION", None, {"SELECT": 0.0, "FROM": 0.0, "EXCEPT": 0.0, "UNION": -1.0})
+    aligned = [t for t in annotator(record(COMPOUND, missing)).tuples if t.provenance == "counterfactual"]
+    # The query ended where the UNION belonged: its last unit, with the end, is rejected.
+    assert [(t.prefix_chosen, t.chosen, t.prefix_rejected, t.rejected) for t in aligned] == [
+        (missing + " ", "UNION SELECT stadium.name FROM stadium" + END,
+         "SELECT name FROM singer ", "EXCEPT SELECT name FROM singer WHERE age > 40" + END)]
+
+
+def test_a_compound_written_as_a_filter_is_blamed_on_that_where(db):
+    executor, schema = db
+    gold = "SELECT country FROM singer EXCEPT SELECT country FROM singer WHERE age > 40"
+    pred = "SELECT country FROM singer WHERE age <= 40"
+    gold_rows, pred_rows = executor.execute(gold), executor.execute(pred)
+    assert not results_equal(gold_rows, pred_rows, ordered=False)
+    # With gold's EXCEPT added after it the prediction's WHERE gives gold's rows, so the walk alone
+    # would pass it and blame the missing EXCEPT; the prediction answers with that WHERE.
+    hybrid = executor.execute(pred + " EXCEPT SELECT country FROM singer WHERE age > 40")
+    assert results_equal(gold_rows, hybrid, ordered=False)
+    loc = localize(gold, pred, executor, schema)
+    assert (loc.root_clause, loc.reason) == ("WHERE", "verified:compound_as_filter")
+    assert loc.clause_rewards == {"SELECT": 0.0, "FROM": 0.0, "WHERE": -1.0}
+    assert loc.corrected_verified
+    # Without a WHERE of its own the missing operator stays the root.
+    assert localize(gold, "SELECT country FROM singer", executor, schema).root_clause == "EXCEPT"
+
+
+def test_a_parse_error_is_blamed_on_its_own_occurrence(db):
+    executor, schema = db
+    gold = "SELECT name FROM singer WHERE age > 40 UNION SELECT name FROM stadium UNION SELECT concert_name FROM concert"
+    broken = ("SELECT name FROM singer WHERE age > 40 UNION SELECT name FROM stadium "
+              "UNION SELECT concert_name FROM concert WHERE (year")
+    loc = localize(gold, broken, executor, schema)
+    assert (loc.reason, loc.root_clause, loc.root_key) == ("parse_error", "UNION", "UNION#2")
+    assert loc.clause_rewards == {"SELECT": 0.0, "FROM": 0.0, "WHERE": 0.0, "UNION": 0.0, "UNION#2": -1.0}
+
+
+# --------------------------------------------------------------------------------------------
+# Fault injection under the run's semantics.
+
+@pytest.mark.parametrize("gold, kind", [
+    ("SELECT name, age FROM singer ORDER BY age DESC", "order_direction"),   # no LIMIT: same set of rows
+    ("SELECT DISTINCT country FROM singer", "distinct"),                     # duplicates: same set
+])
+def test_mutations_are_verified_under_the_runs_semantics(db, database_dir, gold, kind):
+    import random
+
+    from caper_jax.sql.mutations import inject_faults
+    executor, schema = db
+    spider = inject_faults(gold, executor, schema, 20, random.Random(0), max_attempts=200, semantics="spider")
+    bird = inject_faults(gold, executor, schema, 20, random.Random(0), max_attempts=200, semantics="bird")
+    assert kind in {n.mutation for n in spider} and kind not in {n.mutation for n in bird}
+    gold_rows = executor.execute(gold)
+    assert all(not results_equal(gold_rows, executor.execute(n.sql), semantics="bird", ordered=False) for n in bird)
+    # The Annotator passes its semantics on.
+    with_bird = Annotator(database_dir, AnnotationSettings(semantics="bird", per_query=20, max_attempts=200))
+    try:
+        kinds = set(with_bird(record(gold)).negatives_by_kind)
+    finally:
+        with_bird.close()
+    assert kinds and kind not in kinds
