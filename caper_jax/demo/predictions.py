@@ -28,9 +28,10 @@ still the error's (the annotator must see past the difference, as on real failur
 names it in ``harmless``; ``surface_gold`` carries it too.
 
 And some failures are no error at all (``kind = "suspect"``, ``true_root_clause`` None, the reason
-in ``suspect``): a string literal in another letter case than the data (``literal_case``), or a
-number returned as text (``type``) -- what ``caper_jax.sql.suspects`` flags on real failures. (The
-demo golds never order ambiguously, so there is no ``tie`` kind here.)
+in ``suspect``): a number returned as text (``type``) -- what ``caper_jax.sql.suspects`` flags on
+real failures. (The demo golds never order ambiguously, so there is no ``tie`` kind here.) A string
+literal drawn there in another letter case than the data is recorded as the error it is
+(``wrong_literal`` of its clause): SQLite compares strings case-sensitively.
 
 The catalogue of mistakes (``mistake_edits``) is not ``caper_jax.sql.mutations.RULES``, on purpose.
 The two answer different questions: mutations make the PRM's training negatives, every
@@ -901,6 +902,13 @@ class Predictor:
             except sqlite3.Error:
                 continue
             if pred != gold and not same_result(gold_rows, rows, ordered=ordered):
+                if name == "literal_case":
+                    # SQLite compares strings case-sensitively: a value spelled otherwise than the
+                    # data is a wrong literal of its clause (value grounding), not a suspect.
+                    clause = next(clause_of(b) for a, b in zip(tree.walk(), changed.walk())
+                                  if isinstance(b, exp.Literal) and a.this != b.this)
+                    return Prediction(pred, "error", "wrong_literal", clause,
+                                      ({"kind": "wrong_literal", "clause": clause},), (), gold)
                 return Prediction(pred, "suspect", f"suspect:{name}", None, (), (), gold, (), name)
         return None
 

@@ -1,9 +1,9 @@
 """Suspect failures: predictions that fail by execution yet may answer the question.
 
 Spider's comparison of results is exact, so some failures are not errors of the prediction: the
-gold query breaks a tie arbitrarily, prints a number as text, or spells a literal in another case
-than the prediction (and than the data). Preference tuples built from such a failure teach the PRM
-that a right clause is wrong. ``suspect_reason`` names the first of these that applies, or None:
+gold query breaks a tie arbitrarily, or prints a number as text. Preference tuples built from such
+a failure teach the PRM that a right clause is wrong. ``suspect_reason`` names the first of these
+that applies, or None:
 
 ``type``
     The two results are equal once every cell is read as a number where it spells one
@@ -16,10 +16,12 @@ that a right clause is wrong. ``suspect_reason`` names the first of these that a
     to and including the tied group (the prediction may return the whole group: ``= (SELECT
     max(...))`` against ``ORDER BY ... LIMIT 1``). Found with one extra query: gold without its
     LIMIT, its sort keys appended as columns.
-``literal_case``
-    A string literal of the prediction equals one of gold's up to letter case (``'USA'`` against
-    ``'usa'``), and the prediction with those literals spelled as gold spells them returns gold's
-    result: the failure is the case of a literal, whichever side the data agrees with.
+
+A string literal that differs from the stored value only in letter case (``'France'`` where the
+database holds ``'france'``) is *not* a suspect: SQLite compares strings case-sensitively, so the
+query returns nothing, and writing the value as the database stores it is exactly what a policy
+must learn (value grounding). Such a failure is an error of the clause holding the literal
+(WHERE, mostly) and gives tuples like any other.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from sqlglot import exp
 from caper_jax.sql import canonical as canon
 from caper_jax.sql.execution import ExecResult, order_matters, results_equal
 
-REASONS = ("type", "tie", "literal_case")
+REASONS = ("type", "tie")
 _NUMBER = re.compile(r"^\s*[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*$")
 _MAX_TIE_WIDTH = 6       # column permutations tried for the tie check (6! = 720)
 
@@ -51,8 +53,6 @@ def suspect_reason(gold_sql: str, pred_sql: str, gold: ExecResult, pred: ExecRes
         return None
     if _tie(gold_tree, gold, pred, executor):
         return "tie"
-    if _literal_case(gold_tree, pred_sql, gold, executor, schema, semantics, ordered):
-        return "literal_case"
     return None
 
 
@@ -185,33 +185,6 @@ def _consistent_order(rows: list[tuple], keys: dict[tuple, set], directions: lis
                 return False
         previous = options
     return True
-
-
-# --------------------------------------------------------------------------------------------
-
-def _strings(tree: exp.Expression) -> list[exp.Literal]:
-    return [l for l in tree.find_all(exp.Literal) if l.is_string]
-
-
-def _literal_case(gold_tree: exp.Expression, pred_sql: str, gold: ExecResult, executor, schema,
-                  semantics: str, ordered: bool) -> bool:
-    by_lower: dict[str, str] = {}
-    for literal in _strings(gold_tree):
-        by_lower.setdefault(literal.this.lower(), literal.this)
-    try:
-        pred_tree = canon.canonicalize(pred_sql, schema, rules=()).tree
-    except canon.CanonicalizeError:
-        return False
-    changed = False
-    for literal in _strings(pred_tree):
-        spelled = by_lower.get(literal.this.lower())
-        if spelled is not None and spelled != literal.this:
-            literal.replace(exp.Literal.string(spelled))
-            changed = True
-    if not changed:
-        return False
-    result = executor.execute(pred_tree.sql(dialect=canon.DIALECT))
-    return result.ok and results_equal(gold, result, semantics=semantics, ordered=ordered)
 
 
 __all__ = ["REASONS", "suspect_reason", "tie_equivalent", "type_only"]

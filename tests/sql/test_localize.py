@@ -216,11 +216,9 @@ def test_equivalence_rules_can_be_switched_off(db):
     ("SELECT concert_id FROM concert ORDER BY year LIMIT 1",
      "SELECT concert_id FROM concert WHERE year = (SELECT min(year) FROM concert)", "tie"),
     ("SELECT name, age FROM singer ORDER BY age", "SELECT name, CAST(age AS TEXT) FROM singer ORDER BY age", "type"),
-    ("SELECT name FROM singer WHERE country = 'France'", "SELECT name FROM singer WHERE country = 'france'",
-     "literal_case"),
-    ("SELECT name FROM singer WHERE country = 'france'", "SELECT name FROM singer WHERE country = 'France'",
-     "literal_case"),
-    # real errors
+    # real errors (a literal in another case than the data is one: SQLite compares case-sensitively)
+    ("SELECT name FROM singer WHERE country = 'France'", "SELECT name FROM singer WHERE country = 'france'", None),
+    ("SELECT name FROM singer WHERE country = 'france'", "SELECT name FROM singer WHERE country = 'France'", None),
     ("SELECT concert_id FROM concert ORDER BY year LIMIT 1",
      "SELECT concert_id FROM concert ORDER BY year DESC LIMIT 1", None),
     ("SELECT concert_id FROM concert ORDER BY year LIMIT 1",
@@ -238,14 +236,29 @@ def test_suspect_failures(db, gold, pred, suspect):
 def test_suspect_failures_give_no_tuples_by_default(spider, tmp_path):
     from caper_jax.sql.tuples import AnnotationSettings, Annotator
     record = {"db_id": "concert_singer", "question": "q",
-              "gold": "SELECT name FROM singer WHERE country = 'France'",
-              "pred": "SELECT name FROM singer WHERE country = 'france'"}
+              "gold": "SELECT name, age FROM singer ORDER BY age",
+              "pred": "SELECT name, CAST(age AS TEXT) FROM singer ORDER BY age"}
     default = Annotator(spider / "database")(record)
-    assert default.tuples == [] and default.negatives_by_kind == {"suspect:literal_case": 1}
+    assert default.tuples == [] and default.negatives_by_kind == {"suspect:type": 1}
     kept = Annotator(spider / "database", AnnotationSettings(suspect_tuples=True))(record)
-    assert kept.tuples and kept.tuples_by_kind == {"suspect:literal_case": len(kept.tuples)}
-    wrong = Annotator(spider / "database")({**record, "pred": "SELECT name FROM singer WHERE country = 'Netherlands'"})
+    assert kept.tuples and kept.tuples_by_kind == {"suspect:type": len(kept.tuples)}
+    wrong = Annotator(spider / "database")({**record, "pred": "SELECT name, age FROM singer ORDER BY age DESC"})
     assert wrong.tuples and wrong.negatives_by_kind == {"counterfactual": 1}
+
+
+def test_a_literal_in_another_case_than_the_data_is_a_where_error(db, spider):
+    from caper_jax.sql.tuples import Annotator
+    executor, _ = db
+    gold = "SELECT name FROM singer WHERE country = 'France'"
+    pred = "SELECT name FROM singer WHERE country = 'france'"
+    assert executor.execute(gold).rows and not executor.execute(pred).rows   # SQLite: case matters
+    result = run(db, gold, pred)
+    assert (result.root_clause, result.suspect, result.root_node) == ("WHERE", None, "'france'")
+    annotation = Annotator(spider / "database")({"db_id": "concert_singer", "question": "q", "gold": gold,
+                                                 "pred": pred})
+    assert annotation.negatives_by_kind == {"counterfactual": 1}
+    assert [(t.provenance, t.clause, t.chosen, t.rejected) for t in annotation.tuples][0] == (
+        "counterfactual", "WHERE", "WHERE country = 'France'" + END, "WHERE country = 'france'" + END)
 
 
 def test_a_column_of_a_table_gold_lacks_is_read_where_gold_holds_it(db):
