@@ -433,6 +433,29 @@ class AnnotationSummary:
                                       "tuples": self.tuples_by_kind.get(k, 0)} for k in kinds}}
 
 
+def annotate_prediction(context: Context, pred: str, executor: Executor, schema: Schema,
+                        settings: AnnotationSettings) -> Annotation:
+    """The pairs a wrong prediction yields (counterfactual repair), every one checked; a correct one
+    yields none (source "correct"), a gold that does not parse or run is an error ("gold_fails")."""
+    s = settings
+    try:
+        loc = localize(context.gold_sql, pred, executor, schema, alpha=s.alpha, sigma=s.sigma,
+                       reference_edges=s.reference_edges, semantics=s.semantics)
+    except GoldError:
+        return Annotation([], "error", error="gold_fails")
+    if loc.correct:
+        return Annotation([], "correct")
+    # A suspect failure (a tie, a type-only difference) may answer the question: by default it
+    # gives no tuples, and the summary counts it by reason.
+    kind = f"suspect:{loc.suspect}" if loc.suspect else "counterfactual"
+    out = Annotation([], "counterfactual", negatives_by_kind={kind: 1})
+    if loc.suspect and not s.suspect_tuples:
+        return out
+    out.extend(counterfactual_pairs(context, pred, loc, margin_floor=s.margin_floor, alpha=s.alpha,
+                                    within_trajectory=s.within_trajectory), kind)
+    return out
+
+
 class Annotator:
     """Trajectories ``{"question", "db_id", "gold", ["pred"]}`` -> preference tuples.
 
@@ -507,22 +530,9 @@ class Annotator:
         return self._mutations(context, schema)
 
     def _counterfactual(self, context: Context, pred: str, schema: Schema) -> Annotation:
-        s = self.settings
-        try:
-            loc = localize(context.gold_sql, pred, self.executor(context.db_id), schema, alpha=s.alpha,
-                           sigma=s.sigma, reference_edges=s.reference_edges, semantics=s.semantics)
-        except GoldError:
-            return Annotation([], "error", error="gold_fails")
-        if loc.correct:
-            return self._mutations(context, schema) if self.mutate_correct else Annotation([], "correct")
-        # A suspect failure (a tie, a type-only difference, a literal's case) may answer the
-        # question: by default it gives no tuples, and the summary counts it by reason.
-        kind = f"suspect:{loc.suspect}" if loc.suspect else "counterfactual"
-        if loc.suspect and not s.suspect_tuples:
-            return Annotation([], "counterfactual", negatives_by_kind={kind: 1})
-        out = Annotation([], "counterfactual", negatives_by_kind={kind: 1})
-        out.extend(counterfactual_pairs(context, pred, loc, margin_floor=s.margin_floor, alpha=s.alpha,
-                                        within_trajectory=s.within_trajectory), kind)
+        out = annotate_prediction(context, pred, self.executor(context.db_id), schema, self.settings)
+        if out.source == "correct" and self.mutate_correct:
+            return self._mutations(context, schema)
         return out
 
     def _mutations(self, context: Context, schema: Schema) -> Annotation:
