@@ -252,7 +252,8 @@ def run_build(config: ConfigDict, beam_options: str | None = None) -> dict[str, 
     print(f"dataset: {builder.data_dir}")
     for split, s in summary.items():
         print(f"[{split}] {s.get('trajectories', '?')} trajectories -> {s.get('tuples', '?')} tuples; "
-              f"sources {s.get('sources', {})}; errors {s.get('errors', {})}")
+              f"sources {s.get('sources', {})}; errors {s.get('errors', {})}; "
+              f"dropped by invariant {s.get('dropped_by_reason', {})}")
         for kind, y in s.get("yield_by_kind", {}).items():
             print(f"    {kind:16s} negatives {y['negatives']:6d}  tuples {y['tuples']:6d}")
         suspects = {k.split(":", 1)[1]: y["negatives"] for k, y in s.get("yield_by_kind", {}).items()

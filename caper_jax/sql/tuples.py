@@ -2,15 +2,19 @@
 
 A tuple compares two clause *states*: ``prefix + clause`` of a positive query against the same
 position of a negative query. Positions are aligned by clause name in written order
-(``localize.align``). The positive side is the reference, so its clause rewards are 0; the
-negative side's rewards come from propagation out of its root-cause node. A tuple is emitted at a
-position when
+(``canonical.align``: compound units as each query writes them). The positive side is the
+reference, so its clause rewards are 0; the negative side's rewards come from propagation out of
+its root-cause node, in the clauses as the negative is written (``propagation``). A tuple is
+emitted at a position when
 
     delta = r(u+) - r(u-) >= margin_floor     and     (prefix+, u+) != (prefix-, u-)
 
-The second condition drops positions where both states are the same text (a clause before the
-root cause that propagation reached through a reference edge): a preference between identical
-inputs teaches nothing. Where a position exists on one side only (a missing or an extra clause),
+The second condition drops positions where both states are the same text: a preference between
+identical inputs teaches nothing. Every tuple is then checked against the invariants of
+``caper_jax.sql.invariants`` (both states cut from their queries at clause boundaries, different
+clause texts, the root never on a within-trajectory pair's chosen side, margin in (0, alpha]); one
+that breaks any is dropped and counted by reason (``Annotation.dropped``, the build summary's
+``dropped_by_reason``). Where a position exists on one side only (a missing or an extra clause),
 the other side's state at that point is the clause it wrote next; if it wrote nothing more, it is
 its last clause followed by the end of the query.
 
@@ -29,7 +33,7 @@ Sources:
   character for character.
 * **counterfactual** (the repaired prediction is positive, the prediction negative; provenance
   ``counterfactual``), from ``localize.localize``. A *suspect* failure (``Localization.suspect``:
-  a tie under ORDER BY ... LIMIT, a type-only difference, a literal's case) gives no tuples unless
+  a tie under ORDER BY ... LIMIT, a type-only difference) gives no tuples unless
   ``AnnotationSettings.suspect_tuples``; the build summary counts it as kind ``suspect:<reason>``.
 
 Within-trajectory tuples (our extension beyond the paper, ``AnnotationSettings.within_trajectory``).
@@ -70,8 +74,10 @@ from caper_jax.sql.schema import Schema
 
 # Bumped whenever the same settings would write different tuples (caches key on it). 2: the last
 # clause's state ends with END_OF_SQL, and a clause missing at the end is blamed on it. 3: roots
-# verified by execution, equivalence rules in canonicalisation, suspect failures left out.
-TUPLE_FORMAT = 3
+# verified by execution, equivalence rules in canonicalisation, suspect failures left out. 4: rewards
+# in the clauses as written, reference edges off by default, every tuple checked against the
+# invariants (caper_jax.sql.invariants), a literal's case an error, compound units as written.
+TUPLE_FORMAT = 4
 
 
 @dataclasses.dataclass
