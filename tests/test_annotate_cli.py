@@ -128,6 +128,19 @@ def test_tuples_command(tmp_path, db_path):
     assert first[0]["question"] == "Names of singers in concerts?"
 
 
+def test_tuples_command_skips_bad_bytes_and_surrogates_by_line(tmp_path, db_path):
+    good = json.dumps(TUPLE_LINES[-1]).encode()
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_bytes(b"\n".join([good, b'{"gold": "SELECT 1", "pred": "SELECT \xff"}',
+                                  b'{"gold": "SELECT 1", "pred": "\\ud800"}', b'{"gold": 1, "pred": "x"}', good]) + b"\n")
+    proc = annotate("tuples", "--db", db_path, "--input", inp, "--output", out)
+    assert proc.returncode == 0, proc.stderr
+    assert all(f"in.jsonl:{n}: skipped" in proc.stderr for n in (2, 3, 4)), proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["line"] for r in rows} == {1, 5} and len(rows) % 2 == 0
+    assert [r for r in rows if r["line"] == 1] == [{**r, "line": 1} for r in rows if r["line"] == 5]
+
+
 def test_tuples_command_shows_dropped_pairs(tmp_path, db_path):
     # Reference edges on: the FROM pair of a wrong SELECT column compares the same FROM text; the
     # command shows it with its reason instead of hiding it.
