@@ -338,27 +338,75 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
 
 def _compound_as_filter(walk: _Walk, gold: Canonical, pred: Canonical, gold_slots, pred_slots,
                         divergent: list[Position]) -> _Walk:
-    """Gold combines queries (UNION / INTERSECT / EXCEPT) where the prediction answers with one:
-    its WHERE (OR, IN, NOT IN, IS NULL after a LEFT JOIN) is what decides which rows come out, so a
-    WHERE that differs from gold's is the root, before a FROM that only feeds it and before the
-    missing operator -- "the earliest decisive error in written order" read on the prediction's
-    own structure. Only when the walk's root is not written before FROM (a wrong SELECT stays the
-    root) and the prediction's FROM reads only tables gold reads (else FROM is wrong anyway)."""
+    """Where one side combines queries (UNION / INTERSECT / EXCEPT) and the other writes the same
+    set logic inside one query, the clause that carries it in the prediction is the root -- "the
+    earliest decisive error in written order" read on the prediction's own structure -- even where
+    a hybrid that adds gold's operator after it gives gold's answer. Not when the walk's root is
+    written before FROM (a wrong SELECT stays the root).
+
+    Gold compound, the prediction one query:
+
+    * a FROM that inner-joins a table gold reads only in a right-hand operand (``A JOIN B`` for
+      ``A INTERSECT B``): the join itself decides which rows come out, so FROM is the root;
+    * else a WHERE that differs from gold's (``OR``, ``IN``, ``NOT IN``, ``IS NULL`` after a LEFT
+      JOIN) is the root, ahead of a FROM that only feeds it and of the missing operator -- unless
+      the walk verified FROM decisive and it joins a table beyond gold's first operand (not a mere
+      restructuring of it).
+
+    Gold one query, the prediction compound: a first-operand WHERE that is one operand of gold's
+    own AND / OR (``WHERE a INTERSECT … WHERE b`` for ``WHERE a OR b``) is a piece of gold's
+    condition, split off by the operator: the prediction's first operator unit is the root.
+    """
     where, from_ = Position("WHERE"), Position("FROM")
-    if (walk.root == where or where not in divergent or where not in pred_slots
-            or any(p.name in COMPOUND_NAMES for p in pred_slots)
-            or not any(p.name in COMPOUND_NAMES for p in gold_slots)
-            or position_rank(walk.root) < position_rank(from_)):
+    gold_compound = any(p.name in COMPOUND_NAMES for p in gold_slots)
+    pred_compound = [p for p in pred_slots if p.name in COMPOUND_NAMES]
+    if position_rank(walk.root) < position_rank(from_) or gold_compound == bool(pred_compound):
         return walk
-    gold_tables = {t.name.lower() for t in gold.tree.find_all(exp.Table)}
-    pred_from = _first_select(pred.tree)
-    sources = ([pred_from.args["from_"].this] if pred_from.args.get("from_") else []) + \
-        [j.this for j in pred_from.args.get("joins") or []]
-    if not all(isinstance(t, exp.Table) and t.name.lower() in gold_tables for t in sources):
+    if pred_compound:
+        if walk.root != where or where not in gold_slots:
+            return walk
+        pieces = {canon.canonical_key(c) for c in _operands(_first_select(gold.tree).args["where"].this)}
+        own = _first_select(pred.tree).args["where"].this
+        if canon.canonical_key(own) not in pieces:
+            return walk
+        return _Walk(pred_compound[0], walk.kept, None, "verified:filter_as_compound", walk.repair_also)
+    first = _first_select(gold.tree)
+    first_tables = {t.name.lower() for t in _sources(first) if isinstance(t, exp.Table)}
+    later_tables = {t.name.lower() for t in gold.tree.find_all(exp.Table)} - first_tables
+    select = _first_select(pred.tree)
+    inner = [j.this for j in select.args.get("joins") or []
+             if not j.args.get("side") and (j.args.get("kind") or "").upper() in ("", "INNER", "CROSS")]
+    if from_ in divergent and any(isinstance(t, exp.Table) and t.name.lower() in later_tables for t in inner):
+        root = from_
+    elif where in divergent and where in pred_slots and walk.root != where:
+        beyond = any(not isinstance(t, exp.Table) or t.name.lower() not in first_tables for t in _sources(select))
+        if walk.root == from_ and beyond:
+            return walk
+        root = where
+    else:
         return walk
-    before = [p for p in divergent[:divergent.index(where)] if p not in walk.kept]
-    return _Walk(where, tuple(p for p in walk.kept if p != where), None, "verified:compound_as_filter",
+    if root == walk.root:
+        return walk
+    before = [p for p in divergent[:divergent.index(root)] if p not in walk.kept]
+    return _Walk(root, tuple(p for p in walk.kept if p != root), None, "verified:compound_as_filter",
                  tuple(walk.repair_also) + tuple(before))
+
+
+def _sources(select: exp.Expression) -> list[exp.Expression]:
+    """The table sources of a SELECT's own FROM (its FROM and its joins)."""
+    if not isinstance(select, exp.Select):
+        return []
+    return ([select.args["from_"].this] if select.args.get("from_") else []) + \
+        [j.this for j in select.args.get("joins") or []]
+
+
+def _operands(node: exp.Expression) -> list[exp.Expression]:
+    """The top-level operands of an AND / OR chain (the node itself when it is neither)."""
+    while isinstance(node, exp.Paren):
+        node = node.this
+    if isinstance(node, (exp.And, exp.Or)):
+        return _operands(node.this) + _operands(node.expression) + [node]
+    return [node]
 
 
 def _restructured_root(root: Position, gold: Canonical, pred: Canonical, left: list[Position], executor,

@@ -267,3 +267,28 @@ def test_mutations_are_verified_under_the_runs_semantics(db, database_dir, gold,
     finally:
         with_bird.close()
     assert kinds and kind not in kinds
+
+
+def test_set_logic_written_in_one_query_is_blamed_where_the_prediction_writes_it(db):
+    executor, schema = db
+    # Gold's INTERSECT written as a join: the join decides which rows come out (here it repeats
+    # singers with several concerts), not the missing operator.
+    gold = "SELECT singer_id FROM singer INTERSECT SELECT singer_id FROM singer_in_concert"
+    join = ("SELECT T1.singer_id FROM singer AS T1 JOIN singer_in_concert AS T2 "
+            "ON T1.singer_id = T2.singer_id")
+    assert not results_equal(executor.execute(gold), executor.execute(join), ordered=False)
+    assert results_equal(executor.execute(gold), executor.execute(join + " INTERSECT SELECT singer_id FROM "
+                                                                         "singer_in_concert"), ordered=False)
+    assert localize(gold, join, executor, schema).root_clause == "FROM"
+    # The reverse: gold's OR split into an INTERSECT of two queries; the first WHERE is one operand
+    # of gold's condition, so the operator that split it is the root.
+    gold = "SELECT count(*) FROM singer WHERE country = 'France' OR age > 40"
+    split = ("SELECT count(*) FROM singer WHERE country = 'France' "
+             "INTERSECT SELECT count(*) FROM singer WHERE age > 40")
+    assert not results_equal(executor.execute(gold), executor.execute(split), ordered=False)
+    loc = localize(gold, split, executor, schema)
+    assert (loc.root_clause, loc.reason) == ("INTERSECT", "verified:filter_as_compound")
+    # A first WHERE that is no piece of gold's condition stays the root.
+    other = ("SELECT count(*) FROM singer WHERE country = 'Netherlands' "
+             "INTERSECT SELECT count(*) FROM singer WHERE age > 40")
+    assert localize(gold, other, executor, schema).root_clause == "WHERE"
