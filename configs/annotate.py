@@ -75,7 +75,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.site_balance = "clause"                    # edit sites tried round-robin over clauses (or: kind)
     c.max_attempts = 0                           # mutants executed per gold; 0: 8 * per_query
     c.semantics = "bird" if arg.bird else "spider"   # result equivalence (bird: set equality)
-    c.suspect_tuples = False                     # tuples from suspect failures (tie, type)
+    c.suspect_tuples = False                     # tuples from suspect failures (tie, type, gold_literal_case)
     # Per query: a budget of SQLite VM instructions (reproducible: it does not depend on the machine's
     # load) and a wall-clock backstop. Spider: 50 M instructions, 0.4–2 s of SQLite; BIRD's evaluator
     # allows 30 s, about 1 G instructions.

@@ -34,8 +34,8 @@ Rule, in order:
    reward -alpha. If no canonical clause differs (mostly SQL that sqlglot accepts and SQLite
    rejects as a syntax error), rule 2's textual fallback applies.
 4. **Suspect**: every failure also gets ``suspect`` (``caper_jax.sql.suspects``): None, or why
-   it may answer the question all the same (``tie``, ``type``). A literal spelled in another
-   letter case than the data is an error (of its clause), not a suspect.
+   it may answer the question all the same (``tie``, ``type``, ``gold_literal_case``). A
+   prediction's literal spelled in another letter case than the data is an error (of its clause).
 
 The corrected query is returned as text in the prediction's own spelling where that runs to gold's
 answer: the prediction with the repaired clauses' spans replaced, rendered with the prediction's

@@ -17,11 +17,18 @@ that applies, or None:
     max(...))`` against ``ORDER BY ... LIMIT 1``). Found with one extra query: gold without its
     LIMIT, its sort keys appended as columns.
 
-A string literal that differs from the stored value only in letter case (``'France'`` where the
-database holds ``'france'``) is *not* a suspect: SQLite compares strings case-sensitively, so the
-query returns nothing, and writing the value as the database stores it is exactly what a policy
-must learn (value grounding). Such a failure is an error of the clause holding the literal
-(WHERE, mostly) and gives tuples like any other.
+``gold_literal_case``
+    Gold's slip, not the prediction's: a string literal of the prediction equals one of gold's up
+    to letter case, and the prediction spells it as the database stores it in the column it is
+    compared with, where gold's spelling is stored nowhere there (one query per spelling), and
+    gold spelled as the prediction spells it returns the prediction's answer (the case is all
+    that differs).
+
+A string literal of the *prediction* that differs from the stored value only in letter case
+(``'France'`` where the database holds ``'france'``) is *not* a suspect: SQLite compares strings
+case-sensitively, so the query returns nothing, and writing the value as the database stores it
+is exactly what a policy must learn (value grounding). Such a failure is an error of the clause
+holding the literal (WHERE, mostly) and gives tuples like any other.
 """
 from __future__ import annotations
 
@@ -34,7 +41,7 @@ from sqlglot import exp
 from caper_jax.sql import canonical as canon
 from caper_jax.sql.execution import ExecResult, order_matters, results_equal
 
-REASONS = ("type", "tie")
+REASONS = ("type", "tie", "gold_literal_case")
 _NUMBER = re.compile(r"^\s*[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*$")
 _MAX_TIE_WIDTH = 6       # column permutations tried for the tie check (6! = 720)
 
@@ -53,7 +60,65 @@ def suspect_reason(gold_sql: str, pred_sql: str, gold: ExecResult, pred: ExecRes
         return None
     if _tie(gold_tree, gold, pred, executor):
         return "tie"
+    if _gold_literal_case(gold_tree, pred_sql, pred, executor, schema, semantics, ordered):
+        return "gold_literal_case"
     return None
+
+
+def _gold_literal_case(gold_tree: exp.Expression, pred_sql: str, pred: ExecResult, executor, schema,
+                       semantics: str, ordered: bool) -> bool:
+    """Every literal the prediction spells otherwise than gold (up to case) is stored as the
+    prediction spells it, and not as gold does, in the column it is compared with; and gold with
+    the prediction's spelling returns the prediction's answer."""
+    gold_spelling: dict[str, str] = {}
+    for literal in gold_tree.find_all(exp.Literal):
+        if literal.is_string:
+            gold_spelling.setdefault(literal.this.lower(), literal.this)
+    try:
+        pred_tree = canon.canonicalize(pred_sql, schema, rules=()).tree
+    except canon.CanonicalizeError:
+        return False
+    found, respelled = False, None
+    for literal in (l for l in pred_tree.find_all(exp.Literal) if l.is_string):
+        spelled = gold_spelling.get(literal.this.lower())
+        if spelled is None or spelled == literal.this:
+            continue
+        column = _compared_column(literal, schema)
+        if column is None or not _stored(executor, column, literal.this) or _stored(executor, column, spelled):
+            return False
+        found = True
+        respelled = respelled or gold_tree.copy()
+        for gold_literal in [l for l in respelled.find_all(exp.Literal) if l.is_string and l.this == spelled]:
+            gold_literal.replace(exp.Literal.string(literal.this))
+    if not found:
+        return False
+    result = executor.execute(respelled.sql(dialect=canon.DIALECT))
+    return result.ok and results_equal(pred, result, semantics=semantics, ordered=ordered)
+
+
+def _compared_column(literal: exp.Literal, schema) -> tuple[str, str] | None:
+    """(table, column) a literal is compared with by =, <> or IN, its table as the schema names it."""
+    parent = literal.parent
+    if isinstance(parent, (exp.EQ, exp.NEQ)):
+        other = parent.expression if parent.this is literal else parent.this
+    elif isinstance(parent, exp.In):
+        other = parent.this
+    else:
+        return None
+    if not isinstance(other, exp.Column) or not other.table:
+        return None
+    table = other.table
+    tables = {t.lower() for t in (getattr(schema, "tables", None) or schema or ())}
+    if table.lower() not in tables:
+        table = re.sub(r"_\d+$", "", table)     # a repeated instance (canonical.py: singer_2)
+    return table, other.name
+
+
+def _stored(executor, column: tuple[str, str], value: str) -> bool:
+    table, name = ('"' + part.replace('"', '""') + '"' for part in column)
+    literal = "'" + value.replace("'", "''") + "'"
+    result = executor.execute(f"SELECT 1 FROM {table} WHERE {name} = {literal} LIMIT 1")
+    return result.ok and bool(result.rows)
 
 
 # --------------------------------------------------------------------------------------------

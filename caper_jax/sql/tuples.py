@@ -33,7 +33,7 @@ Sources:
   character for character.
 * **counterfactual** (the repaired prediction is positive, the prediction negative; provenance
   ``counterfactual``), from ``localize.localize``. A *suspect* failure (``Localization.suspect``:
-  a tie under ORDER BY ... LIMIT, a type-only difference) gives no tuples unless
+  a tie under ORDER BY ... LIMIT, a type-only difference, gold's literal-case slip) gives no tuples unless
   ``AnnotationSettings.suspect_tuples``; the build summary counts it as kind ``suspect:<reason>``.
 
 Within-trajectory tuples (our extension beyond the paper, ``AnnotationSettings.within_trajectory``).
@@ -451,7 +451,7 @@ def annotate_prediction(context: Context, pred: str, executor: Executor, schema:
         return Annotation([], "error", error="gold_fails")
     if loc.correct:
         return Annotation([], "correct")
-    # A suspect failure (a tie, a type-only difference) may answer the question: by default it
+    # A suspect failure (a tie, a type-only difference, gold's case slip) may answer the question: by default it
     # gives no tuples, and the summary counts it by reason.
     kind = f"suspect:{loc.suspect}" if loc.suspect else "counterfactual"
     out = Annotation([], "counterfactual", negatives_by_kind={kind: 1})
