@@ -42,12 +42,14 @@ from caper_jax.sql.canonical import (FROM, AnySchema, LabelledNode, SchemaMappin
 
 
 def node_rewards(query: LabelledNode, v_star: LabelledNode, *, alpha: float, sigma: float,
-                 reference_edges: bool = False, schema: AnySchema | None = None) -> dict[int, float]:
-    """id(labelled node) -> reward for every node on v*'s dependency path (others are 0)."""
+                 reference_edges: bool = False, schema: AnySchema | None = None,
+                 written: dict[int, str] | None = None) -> dict[int, float]:
+    """id(labelled node) -> reward for every node on v*'s dependency path (others are 0).
+    ``written``: ``written_clauses(query)``, if already computed."""
     if alpha < 0 or sigma <= 0:
         raise ValueError(f"need alpha >= 0 and sigma > 0, got alpha={alpha}, sigma={sigma}")
-    mapping = schema_mapping(schema)
-    written = written_clauses(query)
+    mapping = schema_mapping(schema) if reference_edges else None
+    written = written_clauses(query) if written is None else written
     distance = {id(v_star): 0}
     queue = collections.deque([v_star])
     while queue:
@@ -66,14 +68,15 @@ def node_rewards(query: LabelledNode, v_star: LabelledNode, *, alpha: float, sig
 
 
 def clause_rewards(query: LabelledNode, v_star: LabelledNode | None, *, alpha: float, sigma: float,
-                   reference_edges: bool = False, schema: AnySchema | None = None) -> dict[str, float]:
+                   reference_edges: bool = False, schema: AnySchema | None = None,
+                   written: dict[int, str] | None = None) -> dict[str, float]:
     """Clause position key (``Position.key``) -> min reward over the clause's nodes.
 
     All 0.0 when v* is None.
     """
+    written = written_clauses(query) if written is None else written
     rewards = {} if v_star is None else node_rewards(
-        query, v_star, alpha=alpha, sigma=sigma, reference_edges=reference_edges, schema=schema)
-    written = written_clauses(query)
+        query, v_star, alpha=alpha, sigma=sigma, reference_edges=reference_edges, schema=schema, written=written)
     out: dict[str, float] = {}
     for node in query.preorder():
         key = written.get(id(node))
@@ -96,9 +99,9 @@ def written_clauses(query: LabelledNode) -> dict[int, str]:
     return out
 
 
-def written_root(query: LabelledNode, v_star: LabelledNode) -> str | None:
+def written_root(query: LabelledNode, v_star: LabelledNode, written: dict[int, str] | None = None) -> str | None:
     """Key of the clause v* is written in."""
-    return written_clauses(query).get(id(v_star))
+    return (written_clauses(query) if written is None else written).get(id(v_star))
 
 
 def referenced_tables(column: LabelledNode, schema: SchemaMapping | None = None) -> list[LabelledNode]:

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import pathlib
 import random
@@ -63,11 +64,11 @@ from collections.abc import Mapping
 
 from caper_jax.sql import canonical as canon
 from caper_jax.sql import invariants, propagation
-from caper_jax.sql.canonical import AnySchema, Position, after, align, position_rank
-from caper_jax.sql.clauses import ClauseUnit, SqlParseError
+from caper_jax.sql.canonical import AnySchema, Position, after, align, position_rank, positions
+from caper_jax.sql.clauses import ClauseUnit, SqlParseError, render_sql, split_clauses
 from caper_jax.sql.contract import END_OF_SQL, serialize_schema
 from caper_jax.sql.execution import Executor, Executors, database_dirs_of
-from caper_jax.sql.localize import GoldError, Localization, clause_units, localize
+from caper_jax.sql.localize import GoldError, Localization, localize
 from caper_jax.sql.mutations import SITE_BALANCES, Negative, inject_faults
 from caper_jax.sql.schema import Schema
 
@@ -114,7 +115,7 @@ def aligned_tuples(context: Context, *, positive_sql: str, positive_rewards: Map
     """Tuples at every aligned position whose margin reaches the floor (module docstring)."""
     if margin_floor <= 0:
         raise ValueError(f"margin_floor must be > 0, got {margin_floor}")
-    pos_units, neg_units = clause_units(positive_sql), clause_units(negative_sql)
+    pos_units, neg_units = _units(positive_sql), _units(negative_sql)
     out = []
     order = align(list(pos_units), list(neg_units))
     for position in order:
@@ -171,7 +172,7 @@ def within_trajectory_tuples(context: Context, *, negative_sql: str, negative_re
         raise ValueError(f"margin_floor must be > 0, got {margin_floor}")
     if not negative_rewards:
         return []
-    units = clause_units(negative_sql)
+    units = _units(negative_sql)
     ranked = sorted(negative_rewards, key=lambda k: (negative_rewards[k], position_rank(_position(k))))
     root_position = _position(ranked[0])
     root_reward = negative_rewards[ranked[0]]
@@ -191,6 +192,21 @@ def within_trajectory_tuples(context: Context, *, negative_sql: str, negative_re
             prefix_rejected=prefix_rejected, rejected=rejected_text, margin=float(margin),
             provenance=provenance, gold_sql=context.gold_sql, negative_sql=negative_sql))
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _units(sql: str) -> dict[Position, ClauseUnit]:
+    """``clause_units``, cached: a negative is cut for its aligned pairs, its within pairs and its
+    root state, a gold once for all its negatives. Spans only (``ClauseUnit.node`` None); callers
+    only read the dict."""
+    units = split_clauses(sql, nodes=False)
+    return dict(zip(positions([u.name for u in units]), units))
+
+
+@functools.lru_cache(maxsize=1024)
+def _rendered(gold_sql: str) -> str:
+    """The gold rendered as the mutator renders its mutants (sqlglot, SQLite dialect)."""
+    return render_sql(canon.parse(gold_sql))
 
 
 def _position(key: str) -> Position:
@@ -219,7 +235,7 @@ def root_state(sql: str, root_key: str | None) -> tuple[str, str] | None:
     if root_key is None:
         return None
     try:
-        units = clause_units(sql)
+        units = _units(sql)
     except SqlParseError:
         return None
     unit = _state_at(units, _position(root_key))
@@ -285,18 +301,19 @@ def mutation_pairs(context: Context, negative: Negative, *, alpha: float, sigma:
     """Gold (positive) against one mutated query (negative); with ``within_trajectory`` also the
     mutant's clauses against its mutated clause. Every pair checked."""
     query, v_star = _mutation_v_star(negative)
+    written = propagation.written_clauses(query)
     rewards = propagation.clause_rewards(query, v_star, alpha=alpha, sigma=sigma,
-                                         reference_edges=reference_edges, schema=schema)
+                                         reference_edges=reference_edges, schema=schema, written=written)
     positive_sql = context.gold_sql
-    if negative.sql == negative.tree.sql(dialect=canon.DIALECT):
-        positive_sql = canon.parse(context.gold_sql).sql(dialect=canon.DIALECT)
+    if negative.sql == render_sql(negative.tree):
+        positive_sql = _rendered(context.gold_sql)
     aligned = aligned_tuples(context, positive_sql=positive_sql, positive_rewards={},
                              negative_sql=negative.sql, negative_rewards=rewards,
                              margin_floor=margin_floor, provenance=f"mutation:{negative.mutation}")
     within = within_trajectory_tuples(context, negative_sql=negative.sql, negative_rewards=rewards,
                                       margin_floor=margin_floor,
                                       provenance=f"within:{negative.mutation}") if within_trajectory else []
-    root = root_state(negative.sql, propagation.written_root(query, v_star))
+    root = root_state(negative.sql, propagation.written_root(query, v_star, written))
     return (checked(aligned, positive_sql=positive_sql, alpha=alpha, within=False, root_state=root)
             + checked(within, positive_sql=negative.sql, alpha=alpha, within=True, root_state=root))
 
