@@ -304,9 +304,9 @@ def mutation_pairs(context: Context, negative: Negative, *, alpha: float, sigma:
     written = propagation.written_clauses(query)
     rewards = propagation.clause_rewards(query, v_star, alpha=alpha, sigma=sigma,
                                          reference_edges=reference_edges, schema=schema, written=written)
-    positive_sql = context.gold_sql
-    if negative.sql == render_sql(negative.tree):
-        positive_sql = _rendered(context.gold_sql)
+    # A mutant is rendered by sqlglot (Negative.sql's contract): so is the gold it is compared
+    # with, so that both sides share their prefix character for character.
+    positive_sql = _rendered(context.gold_sql)
     aligned = aligned_tuples(context, positive_sql=positive_sql, positive_rewards={},
                              negative_sql=negative.sql, negative_rewards=rewards,
                              margin_floor=margin_floor, provenance=f"mutation:{negative.mutation}")
