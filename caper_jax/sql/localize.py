@@ -355,7 +355,9 @@ def _compound_as_filter(walk: _Walk, gold: Canonical, pred: Canonical, gold_slot
 
     Gold one query, the prediction compound: a first-operand WHERE that is one operand of gold's
     own AND / OR (``WHERE a INTERSECT … WHERE b`` for ``WHERE a OR b``) is a piece of gold's
-    condition, split off by the operator: the prediction's first operator unit is the root.
+    condition, split off by the operator, and a first operand without a WHERE left the whole
+    filter to the operator (``EXCEPT …`` for ``WHERE x NOT IN (…)``): the prediction's first
+    operator unit is the root.
     """
     where, from_ = Position("WHERE"), Position("FROM")
     gold_compound = any(p.name in COMPOUND_NAMES for p in gold_slots)
@@ -365,10 +367,11 @@ def _compound_as_filter(walk: _Walk, gold: Canonical, pred: Canonical, gold_slot
     if pred_compound:
         if walk.root != where or where not in gold_slots:
             return walk
-        pieces = {canon.canonical_key(c) for c in _operands(_first_select(gold.tree).args["where"].this)}
-        own = _first_select(pred.tree).args["where"].this
-        if canon.canonical_key(own) not in pieces:
-            return walk
+        if where in pred_slots:
+            pieces = {canon.canonical_key(c) for c in _operands(_first_select(gold.tree).args["where"].this)}
+            if canon.canonical_key(_first_select(pred.tree).args["where"].this) not in pieces:
+                return walk
+        # (no WHERE of its own: gold's whole filter went into the operator, NOT IN as EXCEPT)
         return _Walk(pred_compound[0], walk.kept, None, "verified:filter_as_compound", walk.repair_also)
     first = _first_select(gold.tree)
     first_tables = {t.name.lower() for t in _sources(first) if isinstance(t, exp.Table)}

@@ -292,3 +292,15 @@ def test_set_logic_written_in_one_query_is_blamed_where_the_prediction_writes_it
     other = ("SELECT count(*) FROM singer WHERE country = 'Netherlands' "
              "INTERSECT SELECT count(*) FROM singer WHERE age > 40")
     assert localize(gold, other, executor, schema).root_clause == "WHERE"
+
+
+def test_a_filter_written_as_an_operator_is_blamed_on_the_operator(db):
+    executor, schema = db
+    # Gold's NOT IN written as EXCEPT, the first operand without a WHERE of its own: the operator
+    # carries the whole filter (and drops gold's duplicate countries).
+    gold = "SELECT country FROM singer WHERE singer_id NOT IN (SELECT singer_id FROM singer_in_concert WHERE concert_id = 1)"
+    pred = ("SELECT country FROM singer EXCEPT SELECT T1.country FROM singer AS T1 JOIN singer_in_concert AS T2 "
+            "ON T1.singer_id = T2.singer_id WHERE T2.concert_id = 1")
+    assert not results_equal(executor.execute(gold), executor.execute(pred), ordered=False)
+    loc = localize(gold, pred, executor, schema)
+    assert (loc.root_clause, loc.reason) == ("EXCEPT", "verified:filter_as_compound")
