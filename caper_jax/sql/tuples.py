@@ -307,12 +307,15 @@ def mutation_pairs(context: Context, negative: Negative, *, alpha: float, sigma:
     # A mutant is rendered by sqlglot (Negative.sql's contract): so is the gold it is compared
     # with, so that both sides share their prefix character for character.
     positive_sql = _rendered(context.gold_sql)
-    aligned = aligned_tuples(context, positive_sql=positive_sql, positive_rewards={},
-                             negative_sql=negative.sql, negative_rewards=rewards,
-                             margin_floor=margin_floor, provenance=f"mutation:{negative.mutation}")
-    within = within_trajectory_tuples(context, negative_sql=negative.sql, negative_rewards=rewards,
-                                      margin_floor=margin_floor,
-                                      provenance=f"within:{negative.mutation}") if within_trajectory else []
+    try:
+        aligned = aligned_tuples(context, positive_sql=positive_sql, positive_rewards={},
+                                 negative_sql=negative.sql, negative_rewards=rewards,
+                                 margin_floor=margin_floor, provenance=f"mutation:{negative.mutation}")
+        within = within_trajectory_tuples(context, negative_sql=negative.sql, negative_rewards=rewards,
+                                          margin_floor=margin_floor,
+                                          provenance=f"within:{negative.mutation}") if within_trajectory else []
+    except SqlParseError:   # a side sqlglot renders but cannot cut into clauses: no states to compare
+        return []
     root = root_state(negative.sql, propagation.written_root(query, v_star, written))
     return (checked(aligned, positive_sql=positive_sql, alpha=alpha, within=False, root_state=root)
             + checked(within, positive_sql=negative.sql, alpha=alpha, within=True, root_state=root))
