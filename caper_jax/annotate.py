@@ -3,7 +3,7 @@
     localize --db PATH.sqlite --input IN.jsonl --output OUT.jsonl
         Input lines: {"gold", "pred", ["question"]}. Output lines repeat them and add "correct"
         (by execution), "root_clause" (null when correct), "clause_rewards" (clause -> reward <= 0),
-        "root_node" (SQL text of v*), "edit_script", plus "corrected_sql" and "reason".
+        "root_node" (SQL text of v*), "edit_script", plus "corrected_sql", "reason" and "root_key".
     tuples --db PATH.sqlite --input IN.jsonl --output OUT.jsonl
         Input lines: {"gold", "pred", ["question"]}. One output line per preference pair the line
         yields (counterfactual and within-trajectory): ``PreferenceTuple.as_dict()`` plus "line"

@@ -53,6 +53,7 @@ def test_localize_command(tmp_path, db_path):
     assert rows[0]["edit_script"] == [{"op": "relabel", "source": "Literal:40", "target": "Literal:30",
                                        "source_sql": "40", "target_sql": "30"}]
     assert rows[2]["root_node"] is None and rows[2]["clause_rewards"]["WHERE"] == -1.0
+    assert [r["root_key"] for r in rows] == ["WHERE", None, "WHERE"]
 
 
 def test_inject_command(tmp_path, db_path):

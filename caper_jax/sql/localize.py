@@ -88,7 +88,7 @@ class Localization:
                 "edit_script": list(self.edit_script), "corrected_sql": self.corrected_sql,
                 "reason": self.reason, "pred_error_kind": self.pred_error_kind, "suspect": self.suspect,
                 "harmless": list(self.harmless), "corrected_verified": self.corrected_verified,
-                "executions": self.executions}
+                "executions": self.executions, "root_key": self.root_key}
 
 
 def clause_units(sql: str) -> dict[Position, ClauseUnit]:
