@@ -13,7 +13,8 @@ Rules, in the order they run:
     In a scope whose joins are all inner (no LEFT/RIGHT/FULL, no USING), a WHERE conjunct
     ``a.x = b.y`` between columns of two different table instances of that scope is a join
     condition: it moves to the ON of the scope's last join. ``FROM a, b WHERE a.x = b.y`` is then
-    ``FROM a JOIN b ON a.x = b.y``.
+    ``FROM a JOIN b ON a.x = b.y``. The moved conjunct keeps its ``WRITTEN`` meta (WHERE):
+    blame and rewards stay in the clause the query wrote it in (``propagation``).
 ``equated_columns``
     In such a scope, the ON equalities between columns make classes of columns that are equal in
     every row. Every column of a class, wherever the scope reads it outside ON (SELECT, WHERE,
@@ -23,6 +24,8 @@ Rules, in the order they run:
     a.x = c.z``). ``GROUP BY T2.id`` against ``GROUP BY T1.id`` under ``ON T1.id = T2.id`` meet.
     (SQLite's comparison affinity can make ``1 = '1'`` true; then the two columns print differently.
     ``localize`` compares again without the rules when they leave no clause that differs.)
+    A rewritten equality keeps where its text was written (``WRITTEN``): the clause of the
+    earliest written equality on the chain it derives from.
 ``count_not_null``
     ``COUNT(col)`` is ``COUNT(*)`` when ``col`` cannot be NULL: declared NOT NULL or part of the
     primary key (``SchemaFacts``), read in a scope where no outer join can pad it with NULLs.

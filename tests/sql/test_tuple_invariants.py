@@ -304,3 +304,19 @@ def test_a_filter_written_as_an_operator_is_blamed_on_the_operator(db):
     assert not results_equal(executor.execute(gold), executor.execute(pred), ordered=False)
     loc = localize(gold, pred, executor, schema)
     assert (loc.root_clause, loc.reason) == ("EXCEPT", "verified:filter_as_compound")
+
+
+def test_a_wrong_join_key_completed_by_a_where_condition_is_blamed_in_from(db):
+    executor, schema = db
+    # equated_columns rewrites the class {age, stadium_id, singer_id} as age = singer_id and
+    # age = stadium_id; the first derives from the ON (stadium_id = age, wrong) and the WHERE
+    # (stadium_id = singer_id, right): it is blamed where the earliest of them is written.
+    gold = "SELECT T2.name FROM stadium AS T1 JOIN singer AS T2 ON T1.stadium_id = T2.singer_id"
+    pred = ("SELECT T2.name FROM stadium AS T1 JOIN singer AS T2 ON T1.stadium_id = T2.age "
+            "WHERE T1.stadium_id = T2.singer_id")
+    assert not results_equal(executor.execute(gold), executor.execute(pred), ordered=False)
+    loc = localize(gold, pred, executor, schema)
+    assert (loc.root_clause, loc.root_node) == ("FROM", "singer.age = singer.singer_id")
+    # The same wrong condition written alone in WHERE is the WHERE's.
+    assert localize(gold, "SELECT T2.name FROM stadium AS T1, singer AS T2 WHERE T1.stadium_id = T2.age",
+                    executor, schema).root_clause == "WHERE"
