@@ -7,7 +7,10 @@ localisation of the real failures of six published systems.
 
 Workload: every dev gold query whose database is present gets ``inject_faults(per_query=4)``; each
 negative is verified by execution (parses, runs, result differs from gold under Spider rules).
-A "tuple" here is one verified (gold, negative) pair. Workers are processes, each with its own
+A "tuple" here is one verified (gold, negative) pair; the timed work also builds the preference
+pairs of each negative (``mutation_pairs``, default settings: same-position and within-trajectory)
+and checks every one against the invariants (``caper_jax.sql.invariants``): columns pairs (kept),
+pairs/s and dropped. Workers are processes, each with its own
 cold executors (no cache carried over between runs), the queries split round-robin.
 
 Measured in the same run:
@@ -50,6 +53,7 @@ from caper_jax.sql.clauses import parse_sql  # noqa: E402
 from caper_jax.sql.execution import Executors  # noqa: E402
 from caper_jax.sql.mutations import inject_faults  # noqa: E402
 from caper_jax.sql.schema import Schema  # noqa: E402
+from caper_jax.sql.tuples import AnnotationSettings, Context, mutation_pairs  # noqa: E402
 
 
 def load_work(data: pathlib.Path) -> list[tuple[int, str, str]]:
@@ -94,16 +98,24 @@ def annotate_shard(args) -> dict:
         if db_id not in schemas:
             schemas[db_id] = Schema.from_sqlite(executors.db_path(db_id))
             executors[db_id]
+    settings = AnnotationSettings()
     start, cpu_start = time.perf_counter(), time.process_time()
-    tuples = 0
+    tuples = pairs = dropped = 0
     for index, db_id, sql in shard:
         negatives = inject_faults(sql, executors[db_id], schemas[db_id], per_query,
                                   random.Random(seed * 1_000_003 + index))
         tuples += len(negatives)
+        context = Context("", db_id, "", sql)
+        for negative in negatives:      # the preference pairs, each checked (caper_jax.sql.invariants)
+            for pair in mutation_pairs(context, negative, alpha=settings.alpha, sigma=settings.sigma,
+                                       margin_floor=settings.margin_floor, reference_edges=settings.reference_edges,
+                                       schema=schemas[db_id], within_trajectory=settings.within_trajectory):
+                pairs += pair.dropped is None
+                dropped += pair.dropped is not None
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     sqlite_s = sum(e.sqlite_seconds for e in executors._executors.values())
     executors.close()
-    return {"tuples": tuples, "wall_s": wall, "cpu_s": cpu, "sqlite_s": sqlite_s}
+    return {"tuples": tuples, "pairs": pairs, "dropped": dropped, "wall_s": wall, "cpu_s": cpu, "sqlite_s": sqlite_s}
 
 
 def phases(data: pathlib.Path, work, per_query: int, seed: int) -> dict:
@@ -153,6 +165,8 @@ def annotate(data: pathlib.Path, work, workers: int, per_query: int, seed: int) 
     tuples = sum(p["tuples"] for p in parts)
     busy = max(p["wall_s"] for p in parts)  # the slowest worker bounds the annotation itself
     return {"workers": workers, "tuples": tuples, "elapsed_s": elapsed, "busy_s": busy,
+            "pairs": sum(p["pairs"] for p in parts), "dropped": sum(p["dropped"] for p in parts),
+            "pairs_per_s": sum(p["pairs"] for p in parts) / busy,
             "tuples_per_s": tuples / busy, "tuples_per_s_end_to_end": tuples / elapsed,
             "cpu_s": sum(p["cpu_s"] for p in parts),
             "sqlite_share": sum(p["sqlite_s"] for p in parts) / sum(p["wall_s"] for p in parts)}
@@ -236,7 +250,8 @@ def main() -> None:
           f"({1e3 * best_floor['wall_s'] / n:.3f} ms wall; parse {1e3 * best_floor['parse_s'] / n:.3f}, "
           f"sqlite {1e3 * best_floor['sqlite_s'] / n:.3f} ms wall/query)")
     print(f"\n{'workers':>7} {'tuples':>7} {'busy s':>7} {'tuples/s':>9} {'e2e/s':>7} {'per CPU-s':>10} "
-          f"{'CPU ms/query':>13} {'x floor':>8} {'CPU ms/tuple':>13} {'x floor':>8} {'sqlite':>7}")
+          f"{'CPU ms/query':>13} {'x floor':>8} {'CPU ms/tuple':>13} {'x floor':>8} {'sqlite':>7} "
+          f"{'pairs':>7} {'pairs/s':>8} {'dropped':>8}")
     for w, r in runs.items():
         r["cpu_ms_per_query"] = 1e3 * r["cpu_s"] / n
         r["x_floor_per_query"] = r["cpu_ms_per_query"] / floor_ms
@@ -246,7 +261,7 @@ def main() -> None:
               f"{r['tuples_per_s_end_to_end']:>7.0f} {r['tuples'] / r['cpu_s']:>10.0f} "
               f"{r['cpu_ms_per_query']:>13.3f} {r['x_floor_per_query']:>8.2f} "
               f"{r['cpu_ms_per_tuple']:>13.3f} {r['x_floor_per_tuple']:>8.2f} "
-              f"{100 * r['sqlite_share']:>6.1f}%")
+              f"{100 * r['sqlite_share']:>6.1f}% {r['pairs']:>7} {r['pairs_per_s']:>8.0f} {r['dropped']:>8}")
     if args.phases:
         print("\nCPU ms per gold query by step (1 process):")
         for label, ms in phases(args.data, work, args.per_query, args.seed).items():

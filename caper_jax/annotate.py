@@ -1,9 +1,17 @@
-"""``python -m caper_jax.annotate {localize,inject,build}``: the annotation command line.
+"""``python -m caper_jax.annotate {localize,tuples,inject,build}``: the annotation command line.
 
     localize --db PATH.sqlite --input IN.jsonl --output OUT.jsonl
         Input lines: {"gold", "pred", ["question"]}. Output lines repeat them and add "correct"
         (by execution), "root_clause" (null when correct), "clause_rewards" (clause -> reward <= 0),
-        "root_node" (SQL text of v*), "edit_script", plus "corrected_sql" and "reason".
+        "root_node" (SQL text of v*), "edit_script", plus "corrected_sql", "reason" and "root_key".
+    tuples --db PATH.sqlite --input IN.jsonl --output OUT.jsonl
+        Input lines: {"gold", "pred", ["question"]}. One output line per preference pair the line
+        yields (counterfactual and within-trajectory): ``PreferenceTuple.as_dict()`` plus "line"
+        (the input line number), "positive_sql" (the whole query the chosen state is cut from: the
+        repaired query, or for a within-trajectory pair the prediction itself) and "dropped" (null,
+        or the invariant the pair breaks, ``caper_jax.sql.invariants``: such a pair is shown, never
+        trained on). A correct prediction or a suspect failure yields none (noted on stderr); the
+        dropped pairs are counted by reason at the end.
     inject --db PATH.sqlite --input IN.jsonl --output OUT.jsonl [--per_query K]
         Input lines: {"gold", ...}. One output line per verified negative: "gold", "negative",
         "clause", "mutation", "margin" (delta at the mutated clause), "root_node".
@@ -28,6 +36,7 @@ is 0.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -45,18 +54,19 @@ from caper_jax.utils import atomic, cli
 from caper_jax.utils.jsonl import LineError, read_json_lines
 from caper_jax.sql.mutations import inject_faults
 from caper_jax.sql.schema import Schema
-from caper_jax.sql.tuples import AnnotationSettings, mutation_rewards
+from caper_jax.sql.contract import serialize_schema
+from caper_jax.sql.tuples import AnnotationSettings, Context, annotate_prediction, mutation_rewards, tables_entry
 
-COMMANDS = ("localize", "inject", "build")
+COMMANDS = ("localize", "inject", "tuples", "build")
 
 FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
     """The command's flags; defined only when it runs, so importing this module defines none."""
-    flags.DEFINE_string("db", None, "SQLite database (localize, inject).")
-    flags.DEFINE_string("input", None, "Input JSON lines (localize, inject).")
-    flags.DEFINE_string("output", None, "Output JSON lines (localize, inject).")
+    flags.DEFINE_string("db", None, "SQLite database (localize, tuples, inject).")
+    flags.DEFINE_string("input", None, "Input JSON lines (localize, tuples, inject).")
+    flags.DEFINE_string("output", None, "Output JSON lines (localize, tuples, inject).")
     flags.DEFINE_integer("per_query", None, "Negatives per gold query (inject); default: the config's.")
     config_flags.DEFINE_config_file("config", None, "configs/annotate.py[:arg] (build; optional otherwise).")
     flags.DEFINE_bool("beam", False, "build: annotate in an Apache Beam pipeline (pip install apache-beam).")
@@ -107,8 +117,9 @@ def read_lines(path: str | pathlib.Path,
 
 
 def process_file(input_path: str, output_path: str, required: tuple[str, ...],
-                 handle: Callable[[dict], list[dict]], log=sys.stderr) -> dict[str, int]:
-    """Runs ``handle`` on every good line; writes its outputs; reports and skips bad lines.
+                 handle: Callable[[dict, int], list[dict]], log=sys.stderr) -> dict[str, int]:
+    """Runs ``handle(record, line number)`` on every good line; writes its outputs; reports and
+    skips bad lines.
 
     The output appears (renamed from a temporary file) only when every line was processed.
     """
@@ -121,7 +132,7 @@ def process_file(input_path: str, output_path: str, required: tuple[str, ...],
                 print(f"{input_path}:{number}: skipped: {record}", file=log)
                 continue
             try:
-                results = handle(record)
+                results = handle(record, number)
             except (InputError, GoldError) as e:
                 counts["skipped"] += 1
                 print(f"{input_path}:{number}: skipped: {e}", file=log)
@@ -142,7 +153,7 @@ def run_localize(db: str, input_path: str, output_path: str, settings: Annotatio
     schema = Schema.from_sqlite(db)
     with Executor(db, timeout_s=settings.timeout_s, max_rows=settings.max_rows,
                   max_vm_steps=settings.max_vm_steps) as executor:
-        def handle(record: dict) -> list[dict]:
+        def handle(record: dict, _number: int) -> list[dict]:
             result = localize(record["gold"], record["pred"], executor, schema, alpha=settings.alpha,
                               sigma=settings.sigma, reference_edges=settings.reference_edges,
                               semantics=settings.semantics)
@@ -154,7 +165,7 @@ def run_inject(db: str, input_path: str, output_path: str, settings: AnnotationS
     schema = Schema.from_sqlite(db)
     with Executor(db, timeout_s=settings.timeout_s, max_rows=settings.max_rows,
                   max_vm_steps=settings.max_vm_steps) as executor:
-        def handle(record: dict) -> list[dict]:
+        def handle(record: dict, _number: int) -> list[dict]:
             gold = record["gold"]
             if not executor.execute(gold).ok:
                 raise GoldError(f"gold query does not run: {executor.execute(gold).error}")
@@ -162,7 +173,7 @@ def run_inject(db: str, input_path: str, output_path: str, settings: AnnotationS
             try:
                 negatives = inject_faults(gold, executor, schema, settings.per_query, rng,
                                           max_attempts=settings.max_attempts, compound=settings.compound,
-                                          balance=settings.site_balance)
+                                          balance=settings.site_balance, semantics=settings.semantics)
             except ValueError as e:     # SqlParseError
                 raise InputError(f"gold query does not parse: {e}") from e
             out = []
@@ -174,6 +185,30 @@ def run_inject(db: str, input_path: str, output_path: str, settings: AnnotationS
                             "root_node": negative.root_node_sql})
             return out
         return process_file(input_path, output_path, ("gold",), handle)
+
+
+def run_tuples(db: str, input_path: str, output_path: str, settings: AnnotationSettings,
+               log=sys.stderr) -> dict[str, int]:
+    """The pairs each (gold, pred) line yields: kept ones, then dropped ones with their reason."""
+    schema = Schema.from_sqlite(db)
+    schema_text = serialize_schema(tables_entry(schema))
+    dropped: collections.Counter = collections.Counter()
+    with Executor(db, timeout_s=settings.timeout_s, max_rows=settings.max_rows,
+                  max_vm_steps=settings.max_vm_steps) as executor:
+        def handle(record: dict, number: int) -> list[dict]:
+            context = Context(str(record.get("question", "")), schema.db_id, schema_text, record["gold"])
+            annotation = annotate_prediction(context, record["pred"], executor, schema, settings)
+            if annotation.error == "gold_fails":
+                raise GoldError("gold query does not parse or does not run")
+            if not annotation.tuples and not annotation.dropped:
+                why = "correct" if annotation.source == "correct" else next(iter(annotation.negatives_by_kind))
+                print(f"{input_path}:{number}: no pairs ({why})", file=log)
+            dropped.update(p.dropped for p in annotation.dropped)
+            return [{**p.tuple.as_dict(), "line": number, "positive_sql": p.positive_sql, "dropped": p.dropped}
+                    for p in annotation.pairs()]
+        counts = process_file(input_path, output_path, ("gold", "pred"), handle, log=log)
+    print(f"dropped pairs by reason: {dict(sorted(dropped.items()))}", file=log)
+    return {**counts, "dropped": sum(dropped.values())}
 
 
 def run_build(config: ConfigDict, beam_options: str | None = None) -> dict[str, dict]:
@@ -217,7 +252,8 @@ def run_build(config: ConfigDict, beam_options: str | None = None) -> dict[str, 
     print(f"dataset: {builder.data_dir}")
     for split, s in summary.items():
         print(f"[{split}] {s.get('trajectories', '?')} trajectories -> {s.get('tuples', '?')} tuples; "
-              f"sources {s.get('sources', {})}; errors {s.get('errors', {})}")
+              f"sources {s.get('sources', {})}; errors {s.get('errors', {})}; "
+              f"dropped by invariant {s.get('dropped_by_reason', {})}")
         for kind, y in s.get("yield_by_kind", {}).items():
             print(f"    {kind:16s} negatives {y['negatives']:6d}  tuples {y['tuples']:6d}")
         suspects = {k.split(":", 1)[1]: y["negatives"] for k, y in s.get("yield_by_kind", {}).items()
@@ -252,7 +288,7 @@ def config_name(source: str, settings: AnnotationSettings, options: dict) -> str
 
 
 def check_files(db: str, input_path: str, output_path: str) -> None:
-    """localize / inject: every file problem, before any work; raises ValueError with one line."""
+    """localize / tuples / inject: every file problem, before any work; raises ValueError with one line."""
     atomic.check_sqlite_database(db, "--db")
     if not pathlib.Path(input_path).is_file():
         raise ValueError(f"--input {input_path}: no such file")
@@ -286,6 +322,8 @@ def main(argv: list[str]) -> None:
             run_build(FLAGS.config, beam_options=FLAGS.beam_options if FLAGS.beam else None)
         elif command == "localize":
             run_localize(FLAGS.db, FLAGS.input, FLAGS.output, settings)
+        elif command == "tuples":
+            run_tuples(FLAGS.db, FLAGS.input, FLAGS.output, settings)
         else:
             run_inject(FLAGS.db, FLAGS.input, FLAGS.output, settings)
     except KeyboardInterrupt as error:  # Ctrl-C, inside a SQLite query too

@@ -26,8 +26,10 @@ Defaults and why (docs/annotation.md has the full argument):
                       penalty, a grandparent exp(-2) = 0.14, three edges away 0.011.
   margin_floor = 0.05 keeps positions up to two edges from v* (>= 0.135) and drops the numerically
                       negligible tail (three or more edges, <= 0.011).
-  reference_edges     a column reaches the table it reads, so a wrong column also marks the FROM
-                      state that follows it (margin 0.61).
+  reference_edges     False: the paper's rule, the penalty travels up v*'s ancestors only, so it
+                      stays in the clause holding v*. True also lets a column reach the table it
+                      reads (a wrong column marks FROM with 0.61); a pair whose two clause texts
+                      are then equal is dropped (docs/annotation.md section 5).
   within_trajectory   also compare each clause of a negative query with its own root clause
                       (our extension beyond the paper, docs/annotation.md section 5); False gives the
                       paper's same-position tuples only, for the ablation.
@@ -66,14 +68,14 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.alpha = 1.0
     c.sigma = 1.0
     c.margin_floor = 0.05
-    c.reference_edges = True
+    c.reference_edges = False                    # the paper's rule: ancestors only
     c.within_trajectory = True                   # + (clause k) > (root clause) of the same negative
     c.per_query = arg.per_query
     c.compound = 0                               # of those, negatives also given a second, later fault
     c.site_balance = "clause"                    # edit sites tried round-robin over clauses (or: kind)
     c.max_attempts = 0                           # mutants executed per gold; 0: 8 * per_query
     c.semantics = "bird" if arg.bird else "spider"   # result equivalence (bird: set equality)
-    c.suspect_tuples = False                     # tuples from suspect failures (tie, type, literal_case)
+    c.suspect_tuples = False                     # tuples from suspect failures (tie, type, gold_literal_case)
     # Per query: a budget of SQLite VM instructions (reproducible: it does not depend on the machine's
     # load) and a wall-clock backstop. Spider: 50 M instructions, 0.4–2 s of SQLite; BIRD's evaluator
     # allows 30 s, about 1 G instructions.

@@ -749,10 +749,12 @@ def candidate_contrasts(records: Iterable[Mapping[str, Any]], annotator: Any, ta
     one is paired with a right one (round-robin over the right ones, in file order) at the wrong
     one's root position (``caper_jax.sql.localize``): chosen = the right candidate's state there,
     rejected = the wrong one's, margin = the propagated reward gap there (``tuples.aligned_tuples``
-    with the right candidate as the positive side). A pair whose states at the root coincide, or
-    whose gap is below the margin floor, gives nothing. ``annotator``: a ``caper_jax.sql.tuples.Annotator``
+    with the right candidate as the positive side). A pair whose states at the root coincide,
+    whose gap is below the margin floor, or that breaks an invariant of ``caper_jax.sql.invariants``
+    gives nothing. ``annotator``: a ``caper_jax.sql.tuples.Annotator``
     (its settings, executors and schemas).
     """
+    from caper_jax.sql import invariants
     from caper_jax.sql.clauses import SqlParseError
     from caper_jax.sql.localize import GoldError, localize
     from caper_jax.sql.tuples import Context, aligned_tuples, tables_entry
@@ -793,7 +795,10 @@ def candidate_contrasts(records: Iterable[Mapping[str, Any]], annotator: Any, ta
                                        margin_floor=s.margin_floor, provenance=CANDIDATE_PROVENANCE)
             except SqlParseError:  # a side does not split into clauses
                 continue
-            at_root = [t for t in pairs if t.clause == loc.root_clause]
+            # The same invariants as every annotated tuple (caper_jax.sql.invariants); a violator is left out.
+            at_root = [t for t in pairs if t.clause == loc.root_clause
+                       and invariants.violation(t, positive_sql=right[j % len(right)], alpha=s.alpha,
+                                                within=False) is None]
             if at_root:
                 out.append(at_root[0].as_dict())
     return out

@@ -28,9 +28,10 @@ still the error's (the annotator must see past the difference, as on real failur
 names it in ``harmless``; ``surface_gold`` carries it too.
 
 And some failures are no error at all (``kind = "suspect"``, ``true_root_clause`` None, the reason
-in ``suspect``): a string literal in another letter case than the data (``literal_case``), or a
-number returned as text (``type``) -- what ``caper_jax.sql.suspects`` flags on real failures. (The
-demo golds never order ambiguously, so there is no ``tie`` kind here.)
+in ``suspect``): a number returned as text (``type``) -- what ``caper_jax.sql.suspects`` flags on
+real failures. (The demo golds never order ambiguously, so there is no ``tie`` kind here.) A string
+literal drawn there in another letter case than the data is recorded as the error it is
+(``wrong_literal`` of its clause): SQLite compares strings case-sensitively.
 
 The catalogue of mistakes (``mistake_edits``) is not ``caper_jax.sql.mutations.RULES``, on purpose.
 The two answer different questions: mutations make the PRM's training negatives, every
@@ -727,12 +728,14 @@ def _literal_case(tree: exp.Expression, rng: random.Random) -> exp.Expression | 
 
 
 def _number_as_text(tree: exp.Expression, rng: random.Random) -> exp.Expression | None:
-    """A numeric output column returned as text (``CAST(x AS TEXT)``): equal values, other type."""
+    """A numeric output column returned as text (``CAST(x AS TEXT)``): equal values, other type.
+    Any aggregate or plain column qualifies; a text column casts to itself and is refused by the
+    caller, which keeps only a variant whose result differs from gold's."""
     select = _outer(tree)
     if select is None:
         return None
     copy = tree.copy()
-    candidates = [p for p in copy.expressions if isinstance(p, (exp.Count, exp.Sum, exp.Max, exp.Min))]
+    candidates = [p for p in copy.expressions if isinstance(p, (exp.Count, exp.Sum, exp.Max, exp.Min, exp.Column))]
     if not candidates:
         return None
     node = rng.choice(candidates)
@@ -891,7 +894,9 @@ class Predictor:
     def _suspect(self, tree: exp.Expression, gold: str, gold_rows: Rows, ordered: bool,
                  rng: random.Random) -> Prediction | None:
         """A failure that is no error: a literal in another case than the data, or a number as text."""
-        for name in rng.sample(list(SUSPECT_KINDS), len(SUSPECT_KINDS)):
+        # A number as text first: it is the one failure here without an error (a literal's case
+        # is a wrong literal, below); the draw of the order is kept for the random stream.
+        for name in sorted(rng.sample(list(SUSPECT_KINDS), len(SUSPECT_KINDS)), key=lambda n: n != "type"):
             changed = SUSPECT_KINDS[name](tree, rng)
             if changed is None:
                 continue
@@ -901,6 +906,13 @@ class Predictor:
             except sqlite3.Error:
                 continue
             if pred != gold and not same_result(gold_rows, rows, ordered=ordered):
+                if name == "literal_case":
+                    # SQLite compares strings case-sensitively: a value spelled otherwise than the
+                    # data is a wrong literal of its clause (value grounding), not a suspect.
+                    clause = next(clause_of(b) for a, b in zip(tree.walk(), changed.walk())
+                                  if isinstance(b, exp.Literal) and a.this != b.this)
+                    return Prediction(pred, "error", "wrong_literal", clause,
+                                      ({"kind": "wrong_literal", "clause": clause},), (), gold)
                 return Prediction(pred, "suspect", f"suspect:{name}", None, (), (), gold, (), name)
         return None
 

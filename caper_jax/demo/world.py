@@ -33,7 +33,7 @@ from caper_jax.demo.templates import SPLITS, TEMPLATES, NoValue, Slots, Template
 
 DEFAULT_TRAIN_SIZE = 1500
 DEFAULT_DEV_SIZE = 300
-BUILD_VERSION = 6  # bump when the generator changes, so cached builds are rebuilt
+BUILD_VERSION = 7  # bump when the generator changes, so cached builds are rebuilt
 _A_BEFORE_VOWEL = re.compile(r"\b([Aa]) (?=[AEIOUaeiou])")  # templates write "a {noun}"; "an airline"
 _MAX_CONSECUTIVE_FAILURES = 40  # a (template, database) pair is retired after this many misses in a row
 

@@ -40,7 +40,7 @@ from caper_jax.sql.labelled import (  # noqa: F401  (re-exported: canonical is t
     FROM, GROUP_BY, HAVING, LIMIT, ORDER_BY, SELECT, SLOT_ARGS, WHERE, ClauseSlot, LabelledNode,
     canonical_key, clause_slots, clause_tree, find_labelled, label_tree, query_tree,
 )
-from caper_jax.sql.contract import CLAUSE_ORDER
+from caper_jax.sql.contract import CLAUSE_ORDER, COMPOUND_NAMES
 from caper_jax.sql.schema import Schema
 
 DIALECT = "sqlite"
@@ -82,13 +82,41 @@ def positions(names: Sequence[str]) -> list[Position]:
 
 
 def position_rank(position: Position) -> tuple[int, int]:
+    """The clause's slot in ``CLAUSE_ORDER``. Every compound unit shares one slot: their order is
+    the order they are written in (``align``), not a fixed order of operator names."""
+    if position.name in COMPOUND_NAMES:
+        return _COMPOUND_SLOT, 0
     known = position.name in CLAUSE_ORDER
     return (CLAUSE_ORDER.index(position.name) if known else len(CLAUSE_ORDER)), position.occurrence
 
 
+_COMPOUND_SLOT = CLAUSE_ORDER.index(COMPOUND_NAMES[0])
+
+
 def align(left: Sequence[Position], right: Sequence[Position]) -> list[Position]:
-    """Union of two position lists in clause order."""
-    return sorted(set(left) | set(right), key=position_rank)
+    """Union of two position lists (each in written order) in written order.
+
+    Clause slots follow ``CLAUSE_ORDER``; compound units keep the order each query writes them in
+    (``A EXCEPT B UNION C``: EXCEPT, then UNION), one query's units inserted among the other's after
+    the unit they follow; where the two disagree, ``left``'s order stands.
+    """
+    compounds = list(p for p in left if p.name in COMPOUND_NAMES)
+    at = 0
+    for position in (p for p in right if p.name in COMPOUND_NAMES):
+        if position in compounds:
+            at = compounds.index(position) + 1
+        else:
+            compounds.insert(at, position)
+            at += 1
+    written = {p: i for i, p in enumerate(compounds)}
+    return sorted(dict.fromkeys([*left, *right]), key=lambda p: (position_rank(p), written.get(p, 0)))
+
+
+def after(order: Sequence[Position], position: Position, present) -> Position | None:
+    """The first position of ``order`` after ``position`` that is in ``present``."""
+    if position not in order:
+        return None
+    return next((p for p in order[order.index(position) + 1:] if p in present), None)
 
 
 def parse(sql: str) -> exp.Expression:
@@ -151,6 +179,7 @@ def canonicalize(sql: str | exp.Expression, schema: AnySchema | None = None, *,
         aliases = {canonical: written.get(alias, alias)
                    for canonical, alias in _rename_table_instances(tree).items()}
         _drop_projection_aliases(tree)
+        tag_written_clauses(tree)
         if rules:
             equivalences.apply_rules(tree, facts, rules)
     except SqlglotError as e:
@@ -159,6 +188,32 @@ def canonicalize(sql: str | exp.Expression, schema: AnySchema | None = None, *,
         # canonical form, so the query is handled as one the annotator cannot analyse.
         raise CanonicalizeError(f"cannot resolve the query's tables: {e}") from e
     return Canonical(tree=tree, qualified=qualified, aliases=aliases)
+
+
+# meta key of the written clause (``Position.key``) that holds a node's text, set before the
+# equivalence rules run: a rule that moves a node into another clause (a WHERE join condition into
+# FROM) keeps it, so rewards and blame go to the clause the query was written with.
+WRITTEN = equivalences.WRITTEN
+
+
+def tag_written_clauses(tree: exp.Expression) -> None:
+    """Marks every node of ``tree`` with the key of the top-level clause unit it is written in."""
+    slots = clause_slots(tree)
+    for position, slot in zip(positions([s.name for s in slots]), slots):
+        for node in slot.nodes:
+            for inner in node.walk():
+                inner.meta[WRITTEN] = position.key
+
+
+def written_clause(node: exp.Expression | None) -> str | None:
+    """The written clause key of a node of a canonical tree: its own tag or its nearest tagged
+    ancestor's (a node a rule created lies where the rule put it); None when untagged."""
+    while node is not None:
+        key = node.meta.get(WRITTEN) if node._meta is not None else None
+        if key is not None:
+            return key
+        node = node.parent
+    return None
 
 
 def _quoted_strings_to_literals(tree: exp.Expression, schema: SchemaMapping) -> exp.Expression:

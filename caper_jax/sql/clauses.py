@@ -223,12 +223,14 @@ def _unit_names(tokens: list[Token]) -> list[tuple[str, int]]:
     return starts
 
 
-def split_clauses(sql: str, *, nested: bool = False) -> list[ClauseUnit]:
+def split_clauses(sql: str, *, nested: bool = False, nodes: bool = True) -> list[ClauseUnit]:
     """Cuts one query into clause units in written order; raises SqlParseError on bad SQL.
 
     With ``nested=True`` the clauses of every parenthesised subquery follow the unit that holds
     them, with ``depth`` one more than that unit's (their spans lie inside it; units of one
-    depth and one subquery still reassemble that subquery).
+    depth and one subquery still reassemble that subquery). ``nodes=False`` leaves
+    ``ClauseUnit.node`` None (the same units, checked against the parse tree the same way,
+    without copying each clause: what cutting preference-tuple states needs).
     """
     tokens = tokenize(sql)
     tree = parse_tokens(tokens, sql)
@@ -250,12 +252,17 @@ def split_clauses(sql: str, *, nested: bool = False) -> list[ClauseUnit]:
             operator = remaining_ops.pop(0)
             if compound_name(operator) != name:
                 raise SqlParseError(f"{name} does not match the parse tree ({compound_name(operator)})")
-            node = clone_tree(operator.expression)
+            node = clone_tree(operator.expression) if nodes else None
         else:
             owner = tree if (name == WITH_NAME or (operators and name in _COMPOUND_TAIL
                                                    and not remaining_ops)) else first
-            node = _clause_node(owner, name)
-            if node is None:
+            if nodes:
+                node = _clause_node(owner, name)
+            else:
+                node = None
+                if not any(owner.args.get(key) not in (None, []) for key in _CLAUSE_ARGS[name]):
+                    raise SqlParseError(f"clause {name} does not match the parse tree")
+            if nodes and node is None:
                 raise SqlParseError(f"clause {name} does not match the parse tree")
         units.append(ClauseUnit(name, start, end, sql[start:end], node))
     if not units or units[0].name not in ("SELECT", WITH_NAME) or remaining_ops:

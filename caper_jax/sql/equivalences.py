@@ -13,7 +13,8 @@ Rules, in the order they run:
     In a scope whose joins are all inner (no LEFT/RIGHT/FULL, no USING), a WHERE conjunct
     ``a.x = b.y`` between columns of two different table instances of that scope is a join
     condition: it moves to the ON of the scope's last join. ``FROM a, b WHERE a.x = b.y`` is then
-    ``FROM a JOIN b ON a.x = b.y``.
+    ``FROM a JOIN b ON a.x = b.y``. The moved conjunct keeps its ``WRITTEN`` meta (WHERE):
+    blame and rewards stay in the clause the query wrote it in (``propagation``).
 ``equated_columns``
     In such a scope, the ON equalities between columns make classes of columns that are equal in
     every row. Every column of a class, wherever the scope reads it outside ON (SELECT, WHERE,
@@ -23,6 +24,8 @@ Rules, in the order they run:
     a.x = c.z``). ``GROUP BY T2.id`` against ``GROUP BY T1.id`` under ``ON T1.id = T2.id`` meet.
     (SQLite's comparison affinity can make ``1 = '1'`` true; then the two columns print differently.
     ``localize`` compares again without the rules when they leave no clause that differs.)
+    A rewritten equality keeps where its text was written (``WRITTEN``): the clause of the
+    earliest written equality on the chain it derives from.
 ``count_not_null``
     ``COUNT(col)`` is ``COUNT(*)`` when ``col`` cannot be NULL: declared NOT NULL or part of the
     primary key (``SchemaFacts``), read in a scope where no outer join can pad it with NULLs.
@@ -51,6 +54,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from sqlglot import exp
 
+from caper_jax.sql.contract import CLAUSE_ORDER
 from caper_jax.sql.labelled import label_tree
 
 # --------------------------------------------------------------------------------------------
@@ -273,6 +277,7 @@ def equated_columns(tree: exp.Expression, facts: SchemaFacts) -> None:
             return x
 
         equalities, others = [], []
+        edges: dict[tuple[str, str], list[tuple[tuple[str, str], dict]]] = {}   # column -> (column, meta)
         for condition in conditions:
             pair = _column_equality(select, condition, instances)
             if pair is None:
@@ -284,6 +289,8 @@ def equated_columns(tree: exp.Expression, facts: SchemaFacts) -> None:
                 others.append(condition)     # SQLite may convert one side: equal, yet printed apart
                 continue
             equalities.append(condition)
+            edges.setdefault(pair[0], []).append((pair[1], condition.meta))
+            edges.setdefault(pair[1], []).append((pair[0], condition.meta))
             a, b = find(pair[0]), find(pair[1])
             if a != b:
                 parent[max(a, b)] = min(a, b)
@@ -308,13 +315,52 @@ def equated_columns(tree: exp.Expression, facts: SchemaFacts) -> None:
         # whose order follows Python's per-process string hashing (PYTHONHASHSEED), and sorting the
         # unsorted lists ordered the ON conjuncts differently from one run to the next.
         for first, *rest in sorted(sorted(members) for members in classes.values()):
-            spanning += [exp.EQ(this=_column(first), expression=_column(m)) for m in rest]
+            spanning += [_with_meta(exp.EQ(this=_column(first), expression=_column(m)), _derived_meta(edges, first, m))
+                         for m in rest]
         for join in joins:
             join.set("on", None)
         joins[-1].set("on", _and(spanning + [o.copy() for o in others]))
         for join in joins:
             if join.args.get("on") is not None and (join.args.get("kind") or "").upper() == "CROSS":
                 join.set("kind", None)
+
+
+# meta key of the written clause that holds a node's text (set by canonical.tag_written_clauses).
+WRITTEN = "written_clause"
+
+
+def _derived_meta(edges: dict, first: tuple[str, str], member: tuple[str, str]) -> dict:
+    """The meta of the written equality a rewritten ``first = member`` derives from: of the equalities
+    on the path that joins the two, the one written earliest (a wrong join key in ON is FROM's even
+    when a WHERE condition completes the chain)."""
+    came: dict = {first: None}
+    queue = [first]
+    while queue and member not in came:
+        node = queue.pop(0)
+        for nxt, meta in edges.get(node, ()):
+            if nxt not in came:
+                came[nxt] = (node, meta)
+                queue.append(nxt)
+    metas, node = [], member
+    while came.get(node) is not None:
+        node, meta = came[node]
+        metas.append(meta)
+    return min(metas, key=_written_rank, default={})
+
+
+def _written_rank(meta: dict) -> tuple[int, int]:
+    name, _, number = str(meta.get(WRITTEN, "")).partition("#")
+    rank = CLAUSE_ORDER.index(name) if name in CLAUSE_ORDER else len(CLAUSE_ORDER)
+    return rank, int(number or 1)
+
+
+def _with_meta(node: exp.Expression, meta: dict | None) -> exp.Expression:
+    """``node`` and every node under it with ``meta`` (where the equality it rewrites was written:
+    canonical.WRITTEN keeps a moved join condition blamed in its own clause)."""
+    if meta:
+        for inner in node.walk():
+            inner.meta.update(meta)
+    return node
 
 
 def _column(ref: tuple[str, str]) -> exp.Column:

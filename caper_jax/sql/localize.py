@@ -34,7 +34,8 @@ Rule, in order:
    reward -alpha. If no canonical clause differs (mostly SQL that sqlglot accepts and SQLite
    rejects as a syntax error), rule 2's textual fallback applies.
 4. **Suspect**: every failure also gets ``suspect`` (``caper_jax.sql.suspects``): None, or why
-   it may answer the question all the same (``tie``, ``type``, ``literal_case``).
+   it may answer the question all the same (``tie``, ``type``, ``gold_literal_case``). A
+   prediction's literal spelled in another letter case than the data is an error (of its clause).
 
 The corrected query is returned as text in the prediction's own spelling where that runs to gold's
 answer: the prediction with the repaired clauses' spans replaced, rendered with the prediction's
@@ -79,6 +80,7 @@ class Localization:
     harmless: tuple[str, ...] = ()           # divergent clauses kept: harmless here, by execution
     corrected_verified: bool = False         # corrected_sql executes to gold's result
     executions: int = 0                      # queries executed beyond gold and prediction
+    root_key: str | None = None              # Position.key of the root clause as written ("UNION#2")
 
     def as_dict(self) -> dict:
         return {"correct": self.correct, "root_clause": self.root_clause,
@@ -86,7 +88,7 @@ class Localization:
                 "edit_script": list(self.edit_script), "corrected_sql": self.corrected_sql,
                 "reason": self.reason, "pred_error_kind": self.pred_error_kind, "suspect": self.suspect,
                 "harmless": list(self.harmless), "corrected_verified": self.corrected_verified,
-                "executions": self.executions}
+                "executions": self.executions, "root_key": self.root_key}
 
 
 def clause_units(sql: str) -> dict[Position, ClauseUnit]:
@@ -108,7 +110,7 @@ class _Counting:
 
 
 def localize(gold_sql: str, pred_sql: str, executor: Executor, schema: AnySchema | None = None,
-             *, alpha: float = 1.0, sigma: float = 1.0, reference_edges: bool = True,
+             *, alpha: float = 1.0, sigma: float = 1.0, reference_edges: bool = False,
              semantics: str = "spider", rules: Sequence[str] | None = None, verify: bool = True,
              suspects: bool = True) -> Localization:
     """Localises the root cause of ``pred_sql`` against ``gold_sql`` (see module docstring).
@@ -170,9 +172,11 @@ def localize_failed(gold_sql: str, pred_sql: str, schema: AnySchema | None,
         pred_slots = _by_position(canon.clause_slots(pred.tree))
         divergent = divergent_positions(gold_slots, pred_slots)
     if not divergent:
-        fallback = _textual_root(gold_sql, pred_sql) or "SELECT"
-        rewards = {p.key: (-alpha if p.key == fallback else 0.0) for p in pred_slots}
-        return Localization(False, fallback, rewards, None, (), None, "no_canonical_difference", error_kind)
+        fallback = _textual_root(gold_sql, pred_sql) or Position("SELECT")
+        rewards = {p.key: (-alpha if p == fallback else 0.0) for p in pred_slots}
+        rewards.setdefault(fallback.key, -alpha)
+        return Localization(False, fallback.name, rewards, None, (), None, "no_canonical_difference", error_kind,
+                            root_key=fallback.key)
 
     if executor is None or gold_result is None:
         walk = _Walk(canonical_root(gold_slots, pred_slots, divergent), (), None, "canonical_fallback:no_executor")
@@ -196,8 +200,20 @@ def localize_failed(gold_sql: str, pred_sql: str, schema: AnySchema | None,
                     walk = dataclasses.replace(plain, reason="verified:without_rules")
                     gold, pred, gold_slots, pred_slots = plain_gold, plain_pred, plain_gold_slots, plain_pred_slots
                     divergent = plain_divergent
+    if walk.reason == "verified" and walk.root == Position("FROM") and executor is not None:
+        # A FROM that leaves out a table the prediction reads in a WHERE/HAVING subquery instead is
+        # a restructuring, not yet an error: the subquery is tried as the fallback tries it.
+        left = divergent[divergent.index(walk.root):]
+        restructured = _restructured_root(walk.root, gold, pred, left, executor, gold_result, semantics,
+                                          order_matters(gold_sql), schema)
+        if restructured is not None and restructured != walk.root:
+            walk = _Walk(restructured, walk.kept, None, "verified:restructured", walk.repair_also + (walk.root,))
+    walk = _compound_as_filter(walk, gold, pred, gold_slots, pred_slots, divergent)
     position = walk.root
-    repaired = [p for p in divergent if position_rank(p) >= position_rank(position) or p in walk.repair_also]
+    at = divergent.index(position) if position in divergent else None
+    repaired = [p for i, p in enumerate(divergent)
+                if (i >= at if at is not None else position_rank(p) >= position_rank(position))
+                or p in walk.repair_also]
     corrected, verified = _corrected(walk, gold, pred, pred_sql, repaired, executor, gold_result,
                                      order_matters(gold_sql), semantics)
     found = _counterfactual(position, gold, pred, gold_slots.get(position), pred_slots.get(position),
@@ -320,6 +336,82 @@ def _verified_walk(gold: Canonical, pred: Canonical, gold_slots, pred_slots, div
     raise AssertionError("unreachable: the last divergent clause is always the root")
 
 
+def _compound_as_filter(walk: _Walk, gold: Canonical, pred: Canonical, gold_slots, pred_slots,
+                        divergent: list[Position]) -> _Walk:
+    """Where one side combines queries (UNION / INTERSECT / EXCEPT) and the other writes the same
+    set logic inside one query, the clause that carries it in the prediction is the root -- "the
+    earliest decisive error in written order" read on the prediction's own structure -- even where
+    a hybrid that adds gold's operator after it gives gold's answer. Not when the walk's root is
+    written before FROM (a wrong SELECT stays the root).
+
+    Gold compound, the prediction one query:
+
+    * a FROM that inner-joins a table gold reads only in a right-hand operand (``A JOIN B`` for
+      ``A INTERSECT B``): the join itself decides which rows come out, so FROM is the root;
+    * else a WHERE that differs from gold's (``OR``, ``IN``, ``NOT IN``, ``IS NULL`` after a LEFT
+      JOIN) is the root, ahead of a FROM that only feeds it and of the missing operator -- unless
+      the walk verified FROM decisive and it joins a table beyond gold's first operand (not a mere
+      restructuring of it).
+
+    Gold one query, the prediction compound: a first-operand WHERE that is one operand of gold's
+    own AND / OR (``WHERE a INTERSECT … WHERE b`` for ``WHERE a OR b``) is a piece of gold's
+    condition, split off by the operator, and a first operand without a WHERE left the whole
+    filter to the operator (``EXCEPT …`` for ``WHERE x NOT IN (…)``): the prediction's first
+    operator unit is the root.
+    """
+    where, from_ = Position("WHERE"), Position("FROM")
+    gold_compound = any(p.name in COMPOUND_NAMES for p in gold_slots)
+    pred_compound = [p for p in pred_slots if p.name in COMPOUND_NAMES]
+    if position_rank(walk.root) < position_rank(from_) or gold_compound == bool(pred_compound):
+        return walk
+    if pred_compound:
+        if walk.root != where or where not in gold_slots:
+            return walk
+        if where in pred_slots:
+            pieces = {canon.canonical_key(c) for c in _operands(_first_select(gold.tree).args["where"].this)}
+            if canon.canonical_key(_first_select(pred.tree).args["where"].this) not in pieces:
+                return walk
+        # (no WHERE of its own: gold's whole filter went into the operator, NOT IN as EXCEPT)
+        return _Walk(pred_compound[0], walk.kept, None, "verified:filter_as_compound", walk.repair_also)
+    first = _first_select(gold.tree)
+    first_tables = {t.name.lower() for t in _sources(first) if isinstance(t, exp.Table)}
+    later_tables = {t.name.lower() for t in gold.tree.find_all(exp.Table)} - first_tables
+    select = _first_select(pred.tree)
+    inner = [j.this for j in select.args.get("joins") or []
+             if not j.args.get("side") and (j.args.get("kind") or "").upper() in ("", "INNER", "CROSS")]
+    if from_ in divergent and any(isinstance(t, exp.Table) and t.name.lower() in later_tables for t in inner):
+        root = from_
+    elif where in divergent and where in pred_slots and walk.root != where:
+        beyond = any(not isinstance(t, exp.Table) or t.name.lower() not in first_tables for t in _sources(select))
+        if walk.root == from_ and beyond:
+            return walk
+        root = where
+    else:
+        return walk
+    if root == walk.root:
+        return walk
+    before = [p for p in divergent[:divergent.index(root)] if p not in walk.kept]
+    return _Walk(root, tuple(p for p in walk.kept if p != root), None, "verified:compound_as_filter",
+                 tuple(walk.repair_also) + tuple(before))
+
+
+def _sources(select: exp.Expression) -> list[exp.Expression]:
+    """The table sources of a SELECT's own FROM (its FROM and its joins)."""
+    if not isinstance(select, exp.Select):
+        return []
+    return ([select.args["from_"].this] if select.args.get("from_") else []) + \
+        [j.this for j in select.args.get("joins") or []]
+
+
+def _operands(node: exp.Expression) -> list[exp.Expression]:
+    """The top-level operands of an AND / OR chain (the node itself when it is neither)."""
+    while isinstance(node, exp.Paren):
+        node = node.this
+    if isinstance(node, (exp.And, exp.Or)):
+        return _operands(node.this) + _operands(node.expression) + [node]
+    return [node]
+
+
 def _restructured_root(root: Position, gold: Canonical, pred: Canonical, left: list[Position], executor,
                        gold_result: ExecResult, semantics: str, ordered: bool, schema) -> Position | None:
     """The root when the prediction's FROM cannot be judged alone because it reads a table of
@@ -347,7 +439,10 @@ def _restructured_root(root: Position, gold: Canonical, pred: Canonical, left: l
         return None         # the prediction never reads a table gold joins: its FROM lacks it
     if not all(isinstance(t, exp.Table) and t.name.lower() in gold_tables for t in pred_sources):
         return None         # its FROM joins what gold's does not: not a restructuring
-    for position in [p for p in left if p.name in ("WHERE", "HAVING")]:
+    own = {p: slot for p, slot in _by_position(canon.clause_slots(pred.tree)).items()}
+    # Only the prediction's own WHERE / HAVING can hold the subquery that reads the table: a
+    # clause it lacks is gold's alone and tells nothing about the restructuring.
+    for position in [p for p in left if p.name in ("WHERE", "HAVING") and p in own]:
         hybrid = _repair_all(pred.tree, gold.tree, [p for p in left if p != position])
         if hybrid is None:
             return None
@@ -538,10 +633,22 @@ def _counterfactual(position: Position, gold: Canonical, pred: Canonical, g: Cla
                      else _raw_clause_text(pred_sql, position) or _slot_sql(p))
     rewards = propagation.clause_rewards(query, v_star, alpha=alpha, sigma=sigma,
                                          reference_edges=reference_edges, schema=schema)
+    root = position.key
     if p is None:
         rewards[position.key] = -alpha      # the missing clause's position
-    return Localization(False, position.name, rewards, root_node,
-                        tuple(op.as_dict() for op in script.ops), None, "divergent_clause", error_kind)
+    else:
+        # Blame lies in the clause v*'s text is written in (a condition an equivalence rule moved
+        # into FROM is still the WHERE's): the pairs are cut from the query as written.
+        root = propagation.written_root(query, v_star) or position.key
+    return Localization(False, _position(root).name, rewards, root_node,
+                        tuple(op.as_dict() for op in script.ops), None, "divergent_clause", error_kind,
+                        root_key=root)
+
+
+def _position(key: str) -> Position:
+    """Inverse of ``Position.key``: ``"UNION#2"`` -> Position("UNION", 1)."""
+    name, _, number = key.partition("#")
+    return Position(name, int(number) - 1 if number else 0)
 
 
 def _in_query(clause: LabelledNode, v_star: LabelledNode | None) -> LabelledNode:
@@ -575,14 +682,15 @@ def _splice(pred_sql: str, rendered: str, repaired: Sequence[Position]) -> str |
     except SqlParseError:
         return None
     text = pred_sql
-    for position in sorted(repaired, key=position_rank, reverse=True):
+    order = align(list(old_units), list(new_units))       # written order, compound units as written
+    for position in sorted((p for p in repaired if p in order), key=order.index, reverse=True):
         new, old = new_units.get(position), old_units.get(position)
         if old is not None and new is not None:
             text = text[:old.start] + new.text + text[old.end:]
         elif old is not None:         # gold lacks the clause: drop it
             text = (text[:old.start].rstrip() + " " + text[old.end:].lstrip()).strip()
         elif new is not None:         # the prediction lacks it: insert before the next clause
-            later = [u for p, u in old_units.items() if position_rank(p) > position_rank(position)]
+            later = [old_units[p] for p in order[order.index(position) + 1:] if p in old_units]
             at = min((u.start for u in later), default=len(text.rstrip().rstrip(";").rstrip()))
             text = (text[:at].rstrip() + " " + new.text + " " + text[at:].lstrip()).strip()
     return text
@@ -754,16 +862,19 @@ def text_clauses(sql: str) -> list[tuple[str, int]]:
 def _unparseable(gold_sql: str, pred_sql: str, error: BaseException | None, alpha: float,
                  error_kind: str) -> Localization:
     clauses = text_clauses(pred_sql)
+    keyed = list(zip(positions([name for name, _ in clauses]), (start for _, start in clauses)))
     offset, token = _error_offset(pred_sql, error)
-    root = None
-    if offset is not None and clauses:
-        before = [name for name, start in clauses if start <= offset]
-        root = before[-1] if before else clauses[0][0]
-    root = root or _textual_root(gold_sql, pred_sql) or "SELECT"
-    keys = [p.key for p in positions([name for name, _ in clauses])] or [root]
-    rewards = {k: (-alpha if k == root else 0.0) for k in keys}
-    rewards.setdefault(root, -alpha)
-    return Localization(False, root, rewards, token, (), None, "parse_error", error_kind)
+    root: Position | None = None
+    if offset is not None and keyed:
+        # By occurrence: an error in the second UNION is the second UNION's, not the first's.
+        before = [position for position, start in keyed if start <= offset]
+        root = before[-1] if before else keyed[0][0]
+    if root is None:
+        root = _textual_root(gold_sql, pred_sql) or Position("SELECT")
+    keys = [position.key for position, _ in keyed] or [root.key]
+    rewards = {k: (-alpha if k == root.key else 0.0) for k in keys}
+    rewards.setdefault(root.key, -alpha)
+    return Localization(False, root.name, rewards, token, (), None, "parse_error", error_kind, root_key=root.key)
 
 
 def _error_offset(sql: str, error: BaseException | None) -> tuple[int | None, str | None]:
@@ -778,8 +889,8 @@ def _error_offset(sql: str, error: BaseException | None) -> tuple[int | None, st
     return max(0, min(start, len(sql))), token
 
 
-def _textual_root(gold_sql: str, pred_sql: str) -> str | None:
-    """First clause whose whitespace/case-normalised text differs between the two queries."""
+def _textual_root(gold_sql: str, pred_sql: str) -> Position | None:
+    """First clause position whose whitespace/case-normalised text differs between the two queries."""
     def units(sql: str) -> dict[Position, str]:
         found = text_clauses(sql)
         names = positions([n for n, _ in found])
@@ -788,5 +899,5 @@ def _textual_root(gold_sql: str, pred_sql: str) -> str | None:
     g, p = units(gold_sql), units(pred_sql)
     for position in align(list(g), list(p)):
         if g.get(position) != p.get(position):
-            return position.name
+            return position
     return None

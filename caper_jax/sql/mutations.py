@@ -2,7 +2,9 @@
 
 A correct query yields preference tuples by breaking it on purpose: one editable node is replaced by
 a plausible, same-typed alternative, and the mutant is kept only when it parses, executes without
-error and its result differs from the gold result under Spider semantics. The mutated node is the
+error and its result differs from the gold result under the run's semantics (``semantics``: Spider's
+by default; BIRD compares row sets, so a reordering or a DISTINCT toggle that leaves the set of rows
+is no negative there). The mutated node is the
 root cause v* that reward propagation starts from.
 
 Catalogue (``MUTATION_KINDS``; the rules themselves are data, ``RULES``: each names its kind, the
@@ -474,11 +476,11 @@ def _follow(root: exp.Expression, path: list[tuple[str, int | None]]) -> exp.Exp
 def inject_faults(sql: str, executor: Executor, schema: Schema, per_query: int,
                   rng: random.Random, *, max_attempts: int | None = None,
                   gold_result: ExecResult | None = None, compound: int = 0,
-                  balance: str = "kind") -> list[Negative]:
+                  balance: str = "kind", semantics: str = "spider") -> list[Negative]:
     """Up to ``per_query`` verified negatives of a correct query (fewer if none are found).
 
-    A negative parses, executes OK and differs from the gold result (Spider semantics, ordered iff
-    gold has ORDER BY). Returns [] when the gold query itself fails to execute. At most
+    A negative parses, executes OK and differs from the gold result under ``semantics`` ("spider":
+    ordered iff gold has ORDER BY; "bird": as sets of rows, ``execution.results_equal``). Returns [] when the gold query itself fails to execute. At most
     ``max_attempts`` (default ``8 * per_query``) mutants are executed.
 
     With ``compound > 0`` the negatives are offered, in order, a second fault in a clause written
@@ -501,7 +503,7 @@ def inject_faults(sql: str, executor: Executor, schema: Schema, per_query: int,
     for edit in _Sites(tree, schema, executor, rng).edits(balance):
         if len(negatives) >= per_query or budget <= 0:
             break
-        executed, mutant = _apply_and_verify(edit, tree, executor, seen, (gold,), ordered)
+        executed, mutant = _apply_and_verify(edit, tree, executor, seen, (gold,), ordered, semantics)
         budget -= executed
         if mutant is None:
             continue
@@ -517,14 +519,15 @@ def inject_faults(sql: str, executor: Executor, schema: Schema, per_query: int,
     for negative in negatives:
         if len(compounds) >= compound:
             break
-        second = compound_fault(negative, gold, executor, schema, rng, ordered=ordered)
+        second = compound_fault(negative, gold, executor, schema, rng, ordered=ordered, semantics=semantics)
         if second is not None:
             compounds.append(second)
     return negatives + compounds
 
 
 def compound_fault(negative: Negative, gold: ExecResult, executor: Executor, schema: Schema,
-                   rng: random.Random, *, ordered: bool, max_attempts: int = 8) -> Negative | None:
+                   rng: random.Random, *, ordered: bool, max_attempts: int = 8,
+                   semantics: str = "spider") -> Negative | None:
     """``negative`` with a second fault in a clause written after its own, or None.
 
     Why: a wrong query often holds more than one error, and its root cause is the earliest one
@@ -546,7 +549,8 @@ def compound_fault(negative: Negative, gold: ExecResult, executor: Executor, sch
         clause = _edit_clause(edit)
         if clause not in names or names.index(clause) <= first_rank:
             continue
-        executed, mutant = _apply_and_verify(edit, tree, executor, seen, (gold, negative.result), ordered)
+        executed, mutant = _apply_and_verify(edit, tree, executor, seen, (gold, negative.result), ordered,
+                                             semantics)
         max_attempts -= executed
         if mutant is not None:
             return dataclasses.replace(negative, sql=mutant.sql, tree=mutant.tree,
@@ -566,9 +570,10 @@ class _Mutant:
 
 
 def _apply_and_verify(edit: _Edit, tree: exp.Expression, executor: Executor, seen: set[str],
-                      references: tuple[ExecResult, ...], ordered: bool) -> tuple[bool, _Mutant | None]:
+                      references: tuple[ExecResult, ...], ordered: bool,
+                      semantics: str = "spider") -> tuple[bool, _Mutant | None]:
     """Tries ``edit`` on ``tree`` (reverted before returning): (whether the mutant was new and so
-    executed, the mutant if it runs and differs from every reference result under Spider semantics)."""
+    executed, the mutant if it runs and differs from every reference result under ``semantics``)."""
     new = edit.make()
     old = edit.swap(new)
     try:
@@ -577,7 +582,7 @@ def _apply_and_verify(edit: _Edit, tree: exp.Expression, executor: Executor, see
             return False, None
         seen.add(sql)
         result = executor.execute(sql)
-        if not result.ok or any(results_equal(r, result, semantics="spider", ordered=ordered) for r in references):
+        if not result.ok or any(results_equal(r, result, semantics=semantics, ordered=ordered) for r in references):
             return True, None
         return True, _Mutant(sql, clone_tree(tree), _path(new if new is not None else edit.owner), new, old, result)
     finally:

@@ -1,9 +1,9 @@
 """Suspect failures: predictions that fail by execution yet may answer the question.
 
 Spider's comparison of results is exact, so some failures are not errors of the prediction: the
-gold query breaks a tie arbitrarily, prints a number as text, or spells a literal in another case
-than the prediction (and than the data). Preference tuples built from such a failure teach the PRM
-that a right clause is wrong. ``suspect_reason`` names the first of these that applies, or None:
+gold query breaks a tie arbitrarily, or prints a number as text. Preference tuples built from such
+a failure teach the PRM that a right clause is wrong. ``suspect_reason`` names the first of these
+that applies, or None:
 
 ``type``
     The two results are equal once every cell is read as a number where it spells one
@@ -16,10 +16,19 @@ that a right clause is wrong. ``suspect_reason`` names the first of these that a
     to and including the tied group (the prediction may return the whole group: ``= (SELECT
     max(...))`` against ``ORDER BY ... LIMIT 1``). Found with one extra query: gold without its
     LIMIT, its sort keys appended as columns.
-``literal_case``
-    A string literal of the prediction equals one of gold's up to letter case (``'USA'`` against
-    ``'usa'``), and the prediction with those literals spelled as gold spells them returns gold's
-    result: the failure is the case of a literal, whichever side the data agrees with.
+
+``gold_literal_case``
+    Gold's slip, not the prediction's: a string literal of the prediction equals one of gold's up
+    to letter case, and the prediction spells it as the database stores it in the column it is
+    compared with, where gold's spelling is stored nowhere there (one query per spelling), and
+    gold spelled as the prediction spells it returns the prediction's answer (the case is all
+    that differs).
+
+A string literal of the *prediction* that differs from the stored value only in letter case
+(``'France'`` where the database holds ``'france'``) is *not* a suspect: SQLite compares strings
+case-sensitively, so the query returns nothing, and writing the value as the database stores it
+is exactly what a policy must learn (value grounding). Such a failure is an error of the clause
+holding the literal (WHERE, mostly) and gives tuples like any other.
 """
 from __future__ import annotations
 
@@ -32,7 +41,7 @@ from sqlglot import exp
 from caper_jax.sql import canonical as canon
 from caper_jax.sql.execution import ExecResult, order_matters, results_equal
 
-REASONS = ("type", "tie", "literal_case")
+REASONS = ("type", "tie", "gold_literal_case")
 _NUMBER = re.compile(r"^\s*[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*$")
 _MAX_TIE_WIDTH = 6       # column permutations tried for the tie check (6! = 720)
 
@@ -51,9 +60,65 @@ def suspect_reason(gold_sql: str, pred_sql: str, gold: ExecResult, pred: ExecRes
         return None
     if _tie(gold_tree, gold, pred, executor):
         return "tie"
-    if _literal_case(gold_tree, pred_sql, gold, executor, schema, semantics, ordered):
-        return "literal_case"
+    if _gold_literal_case(gold_tree, pred_sql, pred, executor, schema, semantics, ordered):
+        return "gold_literal_case"
     return None
+
+
+def _gold_literal_case(gold_tree: exp.Expression, pred_sql: str, pred: ExecResult, executor, schema,
+                       semantics: str, ordered: bool) -> bool:
+    """Every literal the prediction spells otherwise than gold (up to case) is stored as the
+    prediction spells it, and not as gold does, in the column it is compared with; and gold with
+    the prediction's spelling returns the prediction's answer."""
+    gold_spelling: dict[str, str] = {}
+    for literal in gold_tree.find_all(exp.Literal):
+        if literal.is_string:
+            gold_spelling.setdefault(literal.this.lower(), literal.this)
+    try:
+        pred_tree = canon.canonicalize(pred_sql, schema, rules=()).tree
+    except canon.CanonicalizeError:
+        return False
+    found, respelled = False, None
+    for literal in (l for l in pred_tree.find_all(exp.Literal) if l.is_string):
+        spelled = gold_spelling.get(literal.this.lower())
+        if spelled is None or spelled == literal.this:
+            continue
+        column = _compared_column(literal, schema)
+        if column is None or not _stored(executor, column, literal.this) or _stored(executor, column, spelled):
+            return False
+        found = True
+        respelled = respelled or gold_tree.copy()
+        for gold_literal in [l for l in respelled.find_all(exp.Literal) if l.is_string and l.this == spelled]:
+            gold_literal.replace(exp.Literal.string(literal.this))
+    if not found:
+        return False
+    result = executor.execute(respelled.sql(dialect=canon.DIALECT))
+    return result.ok and results_equal(pred, result, semantics=semantics, ordered=ordered)
+
+
+def _compared_column(literal: exp.Literal, schema) -> tuple[str, str] | None:
+    """(table, column) a literal is compared with by =, <> or IN, its table as the schema names it."""
+    parent = literal.parent
+    if isinstance(parent, (exp.EQ, exp.NEQ)):
+        other = parent.expression if parent.this is literal else parent.this
+    elif isinstance(parent, exp.In):
+        other = parent.this
+    else:
+        return None
+    if not isinstance(other, exp.Column) or not other.table:
+        return None
+    table = other.table
+    tables = {t.lower() for t in (getattr(schema, "tables", None) or schema or ())}
+    if table.lower() not in tables:
+        table = re.sub(r"_\d+$", "", table)     # a repeated instance (canonical.py: singer_2)
+    return table, other.name
+
+
+def _stored(executor, column: tuple[str, str], value: str) -> bool:
+    table, name = ('"' + part.replace('"', '""') + '"' for part in column)
+    literal = "'" + value.replace("'", "''") + "'"
+    result = executor.execute(f"SELECT 1 FROM {table} WHERE {name} = {literal} LIMIT 1")
+    return result.ok and bool(result.rows)
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,33 +250,6 @@ def _consistent_order(rows: list[tuple], keys: dict[tuple, set], directions: lis
                 return False
         previous = options
     return True
-
-
-# --------------------------------------------------------------------------------------------
-
-def _strings(tree: exp.Expression) -> list[exp.Literal]:
-    return [l for l in tree.find_all(exp.Literal) if l.is_string]
-
-
-def _literal_case(gold_tree: exp.Expression, pred_sql: str, gold: ExecResult, executor, schema,
-                  semantics: str, ordered: bool) -> bool:
-    by_lower: dict[str, str] = {}
-    for literal in _strings(gold_tree):
-        by_lower.setdefault(literal.this.lower(), literal.this)
-    try:
-        pred_tree = canon.canonicalize(pred_sql, schema, rules=()).tree
-    except canon.CanonicalizeError:
-        return False
-    changed = False
-    for literal in _strings(pred_tree):
-        spelled = by_lower.get(literal.this.lower())
-        if spelled is not None and spelled != literal.this:
-            literal.replace(exp.Literal.string(spelled))
-            changed = True
-    if not changed:
-        return False
-    result = executor.execute(pred_tree.sql(dialect=canon.DIALECT))
-    return result.ok and results_equal(gold, result, semantics=semantics, ordered=ordered)
 
 
 __all__ = ["REASONS", "suspect_reason", "tie_equivalent", "type_only"]

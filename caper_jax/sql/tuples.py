@@ -2,15 +2,19 @@
 
 A tuple compares two clause *states*: ``prefix + clause`` of a positive query against the same
 position of a negative query. Positions are aligned by clause name in written order
-(``localize.align``). The positive side is the reference, so its clause rewards are 0; the
-negative side's rewards come from propagation out of its root-cause node. A tuple is emitted at a
-position when
+(``canonical.align``: compound units as each query writes them). The positive side is the
+reference, so its clause rewards are 0; the negative side's rewards come from propagation out of
+its root-cause node, in the clauses as the negative is written (``propagation``). A tuple is
+emitted at a position when
 
     delta = r(u+) - r(u-) >= margin_floor     and     (prefix+, u+) != (prefix-, u-)
 
-The second condition drops positions where both states are the same text (a clause before the
-root cause that propagation reached through a reference edge): a preference between identical
-inputs teaches nothing. Where a position exists on one side only (a missing or an extra clause),
+The second condition drops positions where both states are the same text: a preference between
+identical inputs teaches nothing. Every tuple is then checked against the invariants of
+``caper_jax.sql.invariants`` (both states cut from their queries at clause boundaries, different
+clause texts, the root never on a within-trajectory pair's chosen side, margin in (0, alpha]); one
+that breaks any is dropped and counted by reason (``Annotation.dropped``, the build summary's
+``dropped_by_reason``). Where a position exists on one side only (a missing or an extra clause),
 the other side's state at that point is the clause it wrote next; if it wrote nothing more, it is
 its last clause followed by the end of the query.
 
@@ -29,7 +33,7 @@ Sources:
   character for character.
 * **counterfactual** (the repaired prediction is positive, the prediction negative; provenance
   ``counterfactual``), from ``localize.localize``. A *suspect* failure (``Localization.suspect``:
-  a tie under ORDER BY ... LIMIT, a type-only difference, a literal's case) gives no tuples unless
+  a tie under ORDER BY ... LIMIT, a type-only difference, gold's literal-case slip) gives no tuples unless
   ``AnnotationSettings.suspect_tuples``; the build summary counts it as kind ``suspect:<reason>``.
 
 Within-trajectory tuples (our extension beyond the paper, ``AnnotationSettings.within_trajectory``).
@@ -52,26 +56,29 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import pathlib
 import random
 from collections.abc import Mapping
 
 from caper_jax.sql import canonical as canon
-from caper_jax.sql import propagation
-from caper_jax.sql.canonical import AnySchema, Position, align, position_rank
-from caper_jax.sql.clauses import ClauseUnit, SqlParseError
+from caper_jax.sql import invariants, propagation
+from caper_jax.sql.canonical import AnySchema, Position, after, align, position_rank, positions
+from caper_jax.sql.clauses import ClauseUnit, SqlParseError, render_sql, split_clauses
 from caper_jax.sql.contract import END_OF_SQL, serialize_schema
 from caper_jax.sql.execution import Executor, Executors, database_dirs_of
-from caper_jax.sql.localize import GoldError, Localization, clause_units, localize
+from caper_jax.sql.localize import GoldError, Localization, localize
 from caper_jax.sql.mutations import SITE_BALANCES, Negative, inject_faults
 from caper_jax.sql.schema import Schema
 
 
 # Bumped whenever the same settings would write different tuples (caches key on it). 2: the last
 # clause's state ends with END_OF_SQL, and a clause missing at the end is blamed on it. 3: roots
-# verified by execution, equivalence rules in canonicalisation, suspect failures left out.
-TUPLE_FORMAT = 3
+# verified by execution, equivalence rules in canonicalisation, suspect failures left out. 4: rewards
+# in the clauses as written, reference edges off by default, every tuple checked against the
+# invariants (caper_jax.sql.invariants), a literal's case an error, compound units as written.
+TUPLE_FORMAT = 4
 
 
 @dataclasses.dataclass
@@ -108,14 +115,15 @@ def aligned_tuples(context: Context, *, positive_sql: str, positive_rewards: Map
     """Tuples at every aligned position whose margin reaches the floor (module docstring)."""
     if margin_floor <= 0:
         raise ValueError(f"margin_floor must be > 0, got {margin_floor}")
-    pos_units, neg_units = clause_units(positive_sql), clause_units(negative_sql)
+    pos_units, neg_units = _units(positive_sql), _units(negative_sql)
     out = []
-    for position in align(list(pos_units), list(neg_units)):
+    order = align(list(pos_units), list(neg_units))
+    for position in order:
         margin = positive_rewards.get(position.key, 0.0) - negative_rewards.get(position.key, 0.0)
         if margin < margin_floor:
             continue
-        chosen = _state_at(pos_units, position)
-        rejected = _state_at(neg_units, position)
+        chosen = _state_at(pos_units, position, order)
+        rejected = _state_at(neg_units, position, order)
         if chosen is None or rejected is None:
             continue
         prefix_chosen, chosen_text = state_text(positive_sql, pos_units, chosen)
@@ -130,15 +138,21 @@ def aligned_tuples(context: Context, *, positive_sql: str, positive_rewards: Map
     return out
 
 
-def _state_at(units: dict[Position, ClauseUnit], position: Position) -> ClauseUnit | None:
+def _state_at(units: dict[Position, ClauseUnit], position: Position,
+              order: list[Position] | None = None) -> ClauseUnit | None:
     """The unit at ``position``, or the one written next in its place, or (nothing written after
-    it) the query's last unit, whose state includes the end of the query (module docstring)."""
+    it) the query's last unit, whose state includes the end of the query (module docstring).
+
+    ``order``: the written order of both queries' positions (``align``); without it, the order of
+    ``units`` with ``position`` placed by ``align`` (a compound unit before the query's own).
+    """
     if position in units:
         return units[position]
-    later = [p for p in units if position_rank(p) > position_rank(position)]
-    if later:
-        return units[min(later, key=position_rank)]
-    return units[max(units, key=position_rank)] if units else None
+    order = order if order is not None else align(list(units), [position])
+    nxt = after(order, position, units)
+    if nxt is not None:
+        return units[nxt]
+    return units[list(units)[-1]] if units else None
 
 
 def state_text(sql: str, units: dict[Position, ClauseUnit], unit: ClauseUnit) -> tuple[str, str]:
@@ -158,7 +172,7 @@ def within_trajectory_tuples(context: Context, *, negative_sql: str, negative_re
         raise ValueError(f"margin_floor must be > 0, got {margin_floor}")
     if not negative_rewards:
         return []
-    units = clause_units(negative_sql)
+    units = _units(negative_sql)
     ranked = sorted(negative_rewards, key=lambda k: (negative_rewards[k], position_rank(_position(k))))
     root_position = _position(ranked[0])
     root_reward = negative_rewards[ranked[0]]
@@ -180,32 +194,95 @@ def within_trajectory_tuples(context: Context, *, negative_sql: str, negative_re
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def _units(sql: str) -> dict[Position, ClauseUnit]:
+    """``clause_units``, cached: a negative is cut for its aligned pairs, its within pairs and its
+    root state, a gold once for all its negatives. Spans only (``ClauseUnit.node`` None); callers
+    only read the dict."""
+    units = split_clauses(sql, nodes=False)
+    return dict(zip(positions([u.name for u in units]), units))
+
+
+@functools.lru_cache(maxsize=1024)
+def _rendered(gold_sql: str) -> str:
+    """The gold rendered as the mutator renders its mutants (sqlglot, SQLite dialect)."""
+    return render_sql(canon.parse(gold_sql))
+
+
 def _position(key: str) -> Position:
     """Inverse of ``Position.key``: ``"UNION#2"`` -> Position("UNION", 1)."""
     name, _, number = key.partition("#")
     return Position(name, int(number) - 1 if number else 0)
 
 
-def counterfactual_tuples(context: Context, pred_sql: str, localization: Localization, *,
-                          margin_floor: float, within_trajectory: bool = False) -> list[PreferenceTuple]:
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """A tuple with the whole query its chosen state is cut from, and why it was dropped (None: kept)."""
+    tuple: PreferenceTuple
+    positive_sql: str
+    dropped: str | None = None
+
+
+def checked(tuples: list[PreferenceTuple], *, positive_sql: str, alpha: float, within: bool,
+            root_state: tuple[str, str] | None) -> list[Pair]:
+    """Each tuple with the first invariant it breaks (``caper_jax.sql.invariants``), or None."""
+    return [Pair(t, positive_sql, invariants.violation(t, positive_sql=positive_sql, alpha=alpha, within=within,
+                                                       root_state=root_state)) for t in tuples]
+
+
+def root_state(sql: str, root_key: str | None) -> tuple[str, str] | None:
+    """(prefix, clause) the negative wrote at the position of the clause holding v*."""
+    if root_key is None:
+        return None
+    try:
+        units = _units(sql)
+    except SqlParseError:
+        return None
+    unit = _state_at(units, _position(root_key))
+    return state_text(sql, units, unit) if unit is not None else None
+
+
+def counterfactual_pairs(context: Context, pred_sql: str, localization: Localization, *, margin_floor: float,
+                         alpha: float, within_trajectory: bool = False) -> list[Pair]:
     """Corrected query (positive) against the prediction (negative); with ``within_trajectory``
-    also the prediction's clauses against its root clause."""
+    also the prediction's clauses against its root clause. Every pair checked."""
     if localization.correct or localization.corrected_sql is None:
         return []
     try:
-        out = aligned_tuples(context, positive_sql=localization.corrected_sql, positive_rewards={},
-                             negative_sql=pred_sql, negative_rewards=localization.clause_rewards,
-                             margin_floor=margin_floor, provenance="counterfactual")
-        if within_trajectory:
-            out += within_trajectory_tuples(context, negative_sql=pred_sql,
-                                            negative_rewards=localization.clause_rewards,
-                                            margin_floor=margin_floor, provenance="within:counterfactual")
-        return out
+        aligned = aligned_tuples(context, positive_sql=localization.corrected_sql, positive_rewards={},
+                                 negative_sql=pred_sql, negative_rewards=localization.clause_rewards,
+                                 margin_floor=margin_floor, provenance="counterfactual")
+        within = within_trajectory_tuples(context, negative_sql=pred_sql,
+                                          negative_rewards=localization.clause_rewards,
+                                          margin_floor=margin_floor,
+                                          provenance="within:counterfactual") if within_trajectory else []
     except SqlParseError:
         return []
+    root = root_state(pred_sql, localization.root_key)
+    return (checked(aligned, positive_sql=localization.corrected_sql, alpha=alpha, within=False, root_state=root)
+            + checked(within, positive_sql=pred_sql, alpha=alpha, within=True, root_state=root))
 
 
-def mutation_rewards(negative: Negative, *, alpha: float, sigma: float, reference_edges: bool = True,
+def counterfactual_tuples(context: Context, pred_sql: str, localization: Localization, *,
+                          margin_floor: float, within_trajectory: bool = False,
+                          alpha: float = 1.0) -> list[PreferenceTuple]:
+    """The kept tuples of ``counterfactual_pairs``."""
+    return [p.tuple for p in counterfactual_pairs(context, pred_sql, localization, margin_floor=margin_floor,
+                                                  alpha=alpha, within_trajectory=within_trajectory)
+            if p.dropped is None]
+
+
+def _mutation_v_star(negative: Negative):
+    query = canon.query_tree(negative.tree)
+    v_star = canon.find_labelled(query, negative.node) if negative.node is not None else None
+    if v_star is None or v_star is query:
+        v_star = next((c for c in query.children if c.label == negative.clause), None)
+    if v_star is None:
+        raise ValueError(f"mutated clause {negative.clause!r} is not in {negative.sql!r}")
+    return query, v_star
+
+
+def mutation_rewards(negative: Negative, *, alpha: float, sigma: float, reference_edges: bool = False,
                      schema: AnySchema | None = None) -> dict[str, float]:
     """Clause rewards of a mutated query, propagated from its mutated node.
 
@@ -213,33 +290,44 @@ def mutation_rewards(negative: Negative, *, alpha: float, sigma: float, referenc
     ``node`` the mutated node in it. A mutation that removed its node (e.g. dropping DISTINCT)
     leaves the clause itself as v*.
     """
-    query = canon.query_tree(negative.tree)
-    v_star = canon.find_labelled(query, negative.node) if negative.node is not None else None
-    if v_star is None or v_star is query:
-        v_star = next((c for c in query.children if c.label == negative.clause), None)
-    if v_star is None:
-        raise ValueError(f"mutated clause {negative.clause!r} is not in {negative.sql!r}")
+    query, v_star = _mutation_v_star(negative)
     return propagation.clause_rewards(query, v_star, alpha=alpha, sigma=sigma,
                                       reference_edges=reference_edges, schema=schema)
 
 
-def mutation_tuples(context: Context, negative: Negative, *, alpha: float, sigma: float, margin_floor: float,
-                    reference_edges: bool = True, schema: AnySchema | None = None,
-                    within_trajectory: bool = False) -> list[PreferenceTuple]:
+def mutation_pairs(context: Context, negative: Negative, *, alpha: float, sigma: float, margin_floor: float,
+                   reference_edges: bool = False, schema: AnySchema | None = None,
+                   within_trajectory: bool = False) -> list[Pair]:
     """Gold (positive) against one mutated query (negative); with ``within_trajectory`` also the
-    mutant's clauses against its mutated clause."""
-    rewards = mutation_rewards(negative, alpha=alpha, sigma=sigma, reference_edges=reference_edges,
-                               schema=schema)
-    positive_sql = context.gold_sql
-    if negative.sql == negative.tree.sql(dialect=canon.DIALECT):
-        positive_sql = canon.parse(context.gold_sql).sql(dialect=canon.DIALECT)
-    out = aligned_tuples(context, positive_sql=positive_sql, positive_rewards={},
-                         negative_sql=negative.sql, negative_rewards=rewards,
-                         margin_floor=margin_floor, provenance=f"mutation:{negative.mutation}")
-    if within_trajectory:
-        out += within_trajectory_tuples(context, negative_sql=negative.sql, negative_rewards=rewards,
-                                        margin_floor=margin_floor, provenance=f"within:{negative.mutation}")
-    return out
+    mutant's clauses against its mutated clause. Every pair checked."""
+    query, v_star = _mutation_v_star(negative)
+    written = propagation.written_clauses(query)
+    rewards = propagation.clause_rewards(query, v_star, alpha=alpha, sigma=sigma,
+                                         reference_edges=reference_edges, schema=schema, written=written)
+    # A mutant is rendered by sqlglot (Negative.sql's contract): so is the gold it is compared
+    # with, so that both sides share their prefix character for character.
+    positive_sql = _rendered(context.gold_sql)
+    try:
+        aligned = aligned_tuples(context, positive_sql=positive_sql, positive_rewards={},
+                                 negative_sql=negative.sql, negative_rewards=rewards,
+                                 margin_floor=margin_floor, provenance=f"mutation:{negative.mutation}")
+        within = within_trajectory_tuples(context, negative_sql=negative.sql, negative_rewards=rewards,
+                                          margin_floor=margin_floor,
+                                          provenance=f"within:{negative.mutation}") if within_trajectory else []
+    except SqlParseError:   # a side sqlglot renders but cannot cut into clauses: no states to compare
+        return []
+    root = root_state(negative.sql, propagation.written_root(query, v_star, written))
+    return (checked(aligned, positive_sql=positive_sql, alpha=alpha, within=False, root_state=root)
+            + checked(within, positive_sql=negative.sql, alpha=alpha, within=True, root_state=root))
+
+
+def mutation_tuples(context: Context, negative: Negative, *, alpha: float, sigma: float, margin_floor: float,
+                    reference_edges: bool = False, schema: AnySchema | None = None,
+                    within_trajectory: bool = False) -> list[PreferenceTuple]:
+    """The kept tuples of ``mutation_pairs``."""
+    return [p.tuple for p in mutation_pairs(context, negative, alpha=alpha, sigma=sigma, margin_floor=margin_floor,
+                                            reference_edges=reference_edges, schema=schema,
+                                            within_trajectory=within_trajectory) if p.dropped is None]
 
 
 def tables_entry(schema: Schema) -> dict:
@@ -264,7 +352,7 @@ class AnnotationSettings:
     alpha: float = 1.0
     sigma: float = 1.0
     margin_floor: float = 0.05
-    reference_edges: bool = True
+    reference_edges: bool = False
     within_trajectory: bool = True
     per_query: int = 4
     compound: int = 0
@@ -305,6 +393,26 @@ class Annotation:
     error: str | None = None                      # error kind when source == "error"
     negatives_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
     tuples_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+    positive_sql: list[str] = dataclasses.field(default_factory=list)   # per tuple: the query chosen is cut from
+    dropped: list[Pair] = dataclasses.field(default_factory=list)       # tuples that broke an invariant
+
+    def extend(self, pairs: list[Pair], kind: str) -> int:
+        """Keeps the pairs that satisfy every invariant, records the others; returns how many were kept."""
+        kept = 0
+        for pair in pairs:
+            if pair.dropped is None:
+                self.tuples.append(pair.tuple)
+                self.positive_sql.append(pair.positive_sql)
+                kept += 1
+            else:
+                self.dropped.append(pair)
+        if kept:
+            self.tuples_by_kind[kind] = self.tuples_by_kind.get(kind, 0) + kept
+        return kept
+
+    def pairs(self) -> list[Pair]:
+        """Every pair, kept ones first (``Pair.dropped`` None), then the dropped ones."""
+        return [Pair(t, q) for t, q in zip(self.tuples, self.positive_sql)] + list(self.dropped)
 
 
 class AnnotationSummary:
@@ -322,6 +430,7 @@ class AnnotationSummary:
         self.errors: collections.Counter = collections.Counter()
         self.negatives_by_kind: collections.Counter = collections.Counter()
         self.tuples_by_kind: collections.Counter = collections.Counter()
+        self.dropped: collections.Counter = collections.Counter()     # invariant -> tuples dropped
 
     def add(self, annotation: Annotation) -> None:
         self.trajectories += 1
@@ -331,12 +440,13 @@ class AnnotationSummary:
             self.errors[annotation.error] += 1
         self.negatives_by_kind.update(annotation.negatives_by_kind)
         self.tuples_by_kind.update(annotation.tuples_by_kind)
+        self.dropped.update(pair.dropped for pair in annotation.dropped)
 
     def merge(self, other: AnnotationSummary) -> AnnotationSummary:
         """Adds the counts of ``other`` to this summary; returns it."""
         self.trajectories += other.trajectories
         self.tuples += other.tuples
-        for name in ("sources", "errors", "negatives_by_kind", "tuples_by_kind"):
+        for name in ("sources", "errors", "negatives_by_kind", "tuples_by_kind", "dropped"):
             getattr(self, name).update(getattr(other, name))
         return self
 
@@ -344,8 +454,32 @@ class AnnotationSummary:
         kinds = sorted(set(self.negatives_by_kind) | set(self.tuples_by_kind))
         return {"trajectories": self.trajectories, "tuples": self.tuples,
                 "sources": dict(self.sources), "errors": dict(self.errors),
+                "dropped_by_reason": dict(sorted(self.dropped.items())),
                 "yield_by_kind": {k: {"negatives": self.negatives_by_kind.get(k, 0),
                                       "tuples": self.tuples_by_kind.get(k, 0)} for k in kinds}}
+
+
+def annotate_prediction(context: Context, pred: str, executor: Executor, schema: Schema,
+                        settings: AnnotationSettings) -> Annotation:
+    """The pairs a wrong prediction yields (counterfactual repair), every one checked; a correct one
+    yields none (source "correct"), a gold that does not parse or run is an error ("gold_fails")."""
+    s = settings
+    try:
+        loc = localize(context.gold_sql, pred, executor, schema, alpha=s.alpha, sigma=s.sigma,
+                       reference_edges=s.reference_edges, semantics=s.semantics)
+    except GoldError:
+        return Annotation([], "error", error="gold_fails")
+    if loc.correct:
+        return Annotation([], "correct")
+    # A suspect failure (a tie, a type-only difference, gold's case slip) may answer the question: by default it
+    # gives no tuples, and the summary counts it by reason.
+    kind = f"suspect:{loc.suspect}" if loc.suspect else "counterfactual"
+    out = Annotation([], "counterfactual", negatives_by_kind={kind: 1})
+    if loc.suspect and not s.suspect_tuples:
+        return out
+    out.extend(counterfactual_pairs(context, pred, loc, margin_floor=s.margin_floor, alpha=s.alpha,
+                                    within_trajectory=s.within_trajectory), kind)
+    return out
 
 
 class Annotator:
@@ -422,23 +556,10 @@ class Annotator:
         return self._mutations(context, schema)
 
     def _counterfactual(self, context: Context, pred: str, schema: Schema) -> Annotation:
-        s = self.settings
-        try:
-            loc = localize(context.gold_sql, pred, self.executor(context.db_id), schema, alpha=s.alpha,
-                           sigma=s.sigma, reference_edges=s.reference_edges, semantics=s.semantics)
-        except GoldError:
-            return Annotation([], "error", error="gold_fails")
-        if loc.correct:
-            return self._mutations(context, schema) if self.mutate_correct else Annotation([], "correct")
-        # A suspect failure (a tie, a type-only difference, a literal's case) may answer the
-        # question: by default it gives no tuples, and the summary counts it by reason.
-        kind = f"suspect:{loc.suspect}" if loc.suspect else "counterfactual"
-        if loc.suspect and not s.suspect_tuples:
-            return Annotation([], "counterfactual", negatives_by_kind={kind: 1})
-        tuples = counterfactual_tuples(context, pred, loc, margin_floor=s.margin_floor,
-                                       within_trajectory=s.within_trajectory)
-        return Annotation(tuples, "counterfactual", negatives_by_kind={kind: 1},
-                          tuples_by_kind={kind: len(tuples)} if tuples else {})
+        out = annotate_prediction(context, pred, self.executor(context.db_id), schema, self.settings)
+        if out.source == "correct" and self.mutate_correct:
+            return self._mutations(context, schema)
+        return out
 
     def _mutations(self, context: Context, schema: Schema) -> Annotation:
         s = self.settings
@@ -446,7 +567,7 @@ class Annotator:
         try:
             negatives = inject_faults(context.gold_sql, self.executor(context.db_id), schema, s.per_query,
                                       rng, max_attempts=s.max_attempts, compound=s.compound,
-                                      balance=s.site_balance)
+                                      balance=s.site_balance, semantics=s.semantics)
         except SqlParseError:
             return Annotation([], "error", error="gold_parse")
         if not negatives and not self.executor(context.db_id).execute(context.gold_sql).ok:
@@ -454,11 +575,7 @@ class Annotator:
         out = Annotation([], "mutation")
         for negative in negatives:
             out.negatives_by_kind[negative.mutation] = out.negatives_by_kind.get(negative.mutation, 0) + 1
-            tuples = mutation_tuples(context, negative, alpha=s.alpha, sigma=s.sigma,
-                                     margin_floor=s.margin_floor, reference_edges=s.reference_edges,
-                                     schema=schema, within_trajectory=s.within_trajectory)
-            out.tuples.extend(tuples)
-            if tuples:
-                kind = negative.mutation
-                out.tuples_by_kind[kind] = out.tuples_by_kind.get(kind, 0) + len(tuples)
+            out.extend(mutation_pairs(context, negative, alpha=s.alpha, sigma=s.sigma,
+                                      margin_floor=s.margin_floor, reference_edges=s.reference_edges,
+                                      schema=schema, within_trajectory=s.within_trajectory), negative.mutation)
         return out

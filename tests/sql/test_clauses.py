@@ -90,6 +90,16 @@ def test_nodes_hold_exactly_their_clause():
 def test_bad_sql_raises_typed_error(bad):
     with pytest.raises(SqlParseError):
         split_clauses(bad)
+    with pytest.raises(SqlParseError):
+        split_clauses(bad, nodes=False)
+
+
+def test_units_without_nodes_are_the_same_units(spider):
+    for sql in spider_queries(spider) + ["WITH x AS (SELECT 1) SELECT * FROM x",
+                                         "SELECT a FROM t EXCEPT SELECT b FROM u UNION SELECT c FROM v ORDER BY 1"]:
+        spans = [(u.name, u.start, u.end, u.text) for u in split_clauses(sql)]
+        assert [(u.name, u.start, u.end, u.text) for u in split_clauses(sql, nodes=False)] == spans, sql
+        assert all(u.node is None for u in split_clauses(sql, nodes=False))
 
 
 def test_every_spider_dev_gold_query_splits_in_written_order(spider):

@@ -96,8 +96,12 @@ def test_edit_script_and_root_node(db):
 
 
 def test_reference_edge_reaches_from(db):
-    result = run(db, "SELECT name FROM singer", "SELECT country FROM singer", alpha=2.0, sigma=1.0)
+    result = run(db, "SELECT name FROM singer", "SELECT country FROM singer", alpha=2.0, sigma=1.0,
+                 reference_edges=True)
     assert result.clause_rewards == pytest.approx({"SELECT": -2.0, "FROM": -2.0 * 0.6065306597126334})
+    # Off by default (the paper's rule): the penalty stays in the clause holding v*.
+    paper = run(db, "SELECT name FROM singer", "SELECT country FROM singer", alpha=2.0, sigma=1.0)
+    assert paper.clause_rewards == {"SELECT": -2.0, "FROM": 0.0}
 
 
 @pytest.mark.parametrize("pred,root,token", [
@@ -212,11 +216,12 @@ def test_equivalence_rules_can_be_switched_off(db):
     ("SELECT concert_id FROM concert ORDER BY year LIMIT 1",
      "SELECT concert_id FROM concert WHERE year = (SELECT min(year) FROM concert)", "tie"),
     ("SELECT name, age FROM singer ORDER BY age", "SELECT name, CAST(age AS TEXT) FROM singer ORDER BY age", "type"),
-    ("SELECT name FROM singer WHERE country = 'France'", "SELECT name FROM singer WHERE country = 'france'",
-     "literal_case"),
+    # gold's slip: the prediction spells the value as the database stores it ('France'), gold not
     ("SELECT name FROM singer WHERE country = 'france'", "SELECT name FROM singer WHERE country = 'France'",
-     "literal_case"),
-    # real errors
+     "gold_literal_case"),
+    # real errors (the prediction's literal in another case than the data: SQLite compares
+    # case-sensitively, it is a WHERE error of value grounding)
+    ("SELECT name FROM singer WHERE country = 'France'", "SELECT name FROM singer WHERE country = 'france'", None),
     ("SELECT concert_id FROM concert ORDER BY year LIMIT 1",
      "SELECT concert_id FROM concert ORDER BY year DESC LIMIT 1", None),
     ("SELECT concert_id FROM concert ORDER BY year LIMIT 1",
@@ -234,14 +239,29 @@ def test_suspect_failures(db, gold, pred, suspect):
 def test_suspect_failures_give_no_tuples_by_default(spider, tmp_path):
     from caper_jax.sql.tuples import AnnotationSettings, Annotator
     record = {"db_id": "concert_singer", "question": "q",
-              "gold": "SELECT name FROM singer WHERE country = 'France'",
-              "pred": "SELECT name FROM singer WHERE country = 'france'"}
+              "gold": "SELECT name, age FROM singer ORDER BY age",
+              "pred": "SELECT name, CAST(age AS TEXT) FROM singer ORDER BY age"}
     default = Annotator(spider / "database")(record)
-    assert default.tuples == [] and default.negatives_by_kind == {"suspect:literal_case": 1}
+    assert default.tuples == [] and default.negatives_by_kind == {"suspect:type": 1}
     kept = Annotator(spider / "database", AnnotationSettings(suspect_tuples=True))(record)
-    assert kept.tuples and kept.tuples_by_kind == {"suspect:literal_case": len(kept.tuples)}
-    wrong = Annotator(spider / "database")({**record, "pred": "SELECT name FROM singer WHERE country = 'Netherlands'"})
+    assert kept.tuples and kept.tuples_by_kind == {"suspect:type": len(kept.tuples)}
+    wrong = Annotator(spider / "database")({**record, "pred": "SELECT name, age FROM singer ORDER BY age DESC"})
     assert wrong.tuples and wrong.negatives_by_kind == {"counterfactual": 1}
+
+
+def test_a_literal_in_another_case_than_the_data_is_a_where_error(db, spider):
+    from caper_jax.sql.tuples import Annotator
+    executor, _ = db
+    gold = "SELECT name FROM singer WHERE country = 'France'"
+    pred = "SELECT name FROM singer WHERE country = 'france'"
+    assert executor.execute(gold).rows and not executor.execute(pred).rows   # SQLite: case matters
+    result = run(db, gold, pred)
+    assert (result.root_clause, result.suspect, result.root_node) == ("WHERE", None, "'france'")
+    annotation = Annotator(spider / "database")({"db_id": "concert_singer", "question": "q", "gold": gold,
+                                                 "pred": pred})
+    assert annotation.negatives_by_kind == {"counterfactual": 1}
+    assert [(t.provenance, t.clause, t.chosen, t.rejected) for t in annotation.tuples][0] == (
+        "counterfactual", "WHERE", "WHERE country = 'France'" + END, "WHERE country = 'france'" + END)
 
 
 def test_a_column_of_a_table_gold_lacks_is_read_where_gold_holds_it(db):
@@ -259,10 +279,13 @@ def test_a_missing_distinct_is_judged_on_the_predictions_own_rows(db):
     gold = ("SELECT DISTINCT T1.name FROM singer AS T1 JOIN singer_in_concert AS T2 ON T1.singer_id = T2.singer_id "
             "WHERE T1.age > 30")
     # One table, no duplicates: the DISTINCT gold needs for its join cannot matter here. The
-    # prediction's FROM, which lacks the join its IN-subquery stands for, is blamed instead.
+    # prediction's FROM lacks the join its IN-subquery stands for: a restructuring, not an error
+    # (FROM singer begins a correct query); its WHERE (age > 40) is the earliest decisive error.
     single = "SELECT name FROM singer WHERE singer_id IN (SELECT singer_id FROM singer_in_concert) AND age > 40"
     result = run(db, gold, single)
-    assert (result.root_clause, result.harmless, result.reason) == ("FROM", ("SELECT",), "verified")
+    assert (result.root_clause, result.harmless, result.reason) == ("WHERE", ("SELECT",), "verified:restructured")
+    right = "SELECT name FROM singer WHERE singer_id IN (SELECT singer_id FROM singer_in_concert) AND age > 30"
+    assert run(db, gold, right).correct
     # The prediction's own join repeats singers (one row per concert): the missing DISTINCT is the error.
     joined = ("SELECT T1.name FROM singer AS T1 JOIN singer_in_concert AS T2 ON T1.singer_id = T2.singer_id "
               "WHERE T1.age > 40")

@@ -115,9 +115,9 @@ def test_mutation_tuples_add_within_tuples_only_when_asked():
     paper = mutation_tuples(context, negative, alpha=1.0, sigma=1.0, margin_floor=0.05)
     both = mutation_tuples(context, negative, alpha=1.0, sigma=1.0, margin_floor=0.05, within_trajectory=True)
     assert both[:len(paper)] == paper and {t.provenance for t in paper} == {"mutation:column"}
-    # Rewards SELECT -1, FROM -exp(-1/2) (reference edge), WHERE 0.
+    # Rewards SELECT -1, FROM 0 (no reference edges: the paper's rule), WHERE 0.
     assert states(both[len(paper):]) == [
-        ("SELECT", "SELECT country ", "FROM singer", "", "SELECT country", round(1 - PARENT, 6), "within:column"),
+        ("SELECT", "SELECT country ", "FROM singer", "", "SELECT country", 1.0, "within:column"),
         ("SELECT", "SELECT country FROM singer ", "WHERE age > 20" + END, "", "SELECT country", 1.0, "within:column")]
 
 
