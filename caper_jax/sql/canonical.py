@@ -182,6 +182,7 @@ def canonicalize(sql: str | exp.Expression, schema: AnySchema | None = None, *,
         tag_written_clauses(tree)
         if rules:
             equivalences.apply_rules(tree, facts, rules)
+        _quote_qualifiers_like_their_tables(tree)
     except SqlglotError as e:
         # SQLite runs queries sqlglot cannot scope (one alias for two tables of a FROM, as a sampled
         # policy query on Spider wrote: ``FROM a AS t2 JOIN b AS t2``); with no scopes there is no
@@ -295,14 +296,37 @@ def _resolve(scope: Scope | None, alias: str, scope_maps: dict[int, dict[str, st
 
 
 def _names_its_output(select: exp.Select) -> bool:
-    """A derived table or CTE body (or an operand of one): outer scopes read its columns by name."""
+    """A derived table or CTE body (or an operand of one), or an operand of a compound with its own
+    ORDER BY: outer scopes read its columns by name."""
     node = select
     while isinstance(node.parent, (exp.SetOperation, exp.Subquery)):
         node = node.parent
         if isinstance(node, exp.Subquery) and isinstance(node.parent, (exp.From, exp.Join)):
             return True
+        # A compound's own ORDER BY can only name its result columns, which the left operand names.
+        if isinstance(node, exp.SetOperation) and node.args.get("order") is not None:
+            return True
     return isinstance(node.parent, exp.CTE) or (
         isinstance(node, exp.Subquery) and isinstance(node.parent, (exp.From, exp.Join)))
+
+
+def _quote_qualifiers_like_their_tables(tree: exp.Expression) -> None:
+    """Quotes a column's table qualifier wherever that table is written quoted.
+
+    Renaming instances to table names and the equivalence rules write qualifiers as plain
+    identifiers; BIRD's ``"order"`` table then reads ``order.x``, SQLite's ORDER keyword, and the
+    canonical form would not run.
+    """
+    quoted = {t.name for t in tree.find_all(exp.Table) if t.this is not None and t.this.args.get("quoted")}
+    quoted |= {t.alias for t in tree.find_all(exp.Table)
+               if t.args.get("alias") is not None and t.args["alias"].this is not None
+               and t.args["alias"].this.args.get("quoted")}
+    if not quoted:
+        return
+    for column in tree.find_all(exp.Column):
+        qualifier = column.args.get("table")
+        if isinstance(qualifier, exp.Identifier) and qualifier.name in quoted:
+            qualifier.set("quoted", True)
 
 
 def _drop_projection_aliases(tree: exp.Expression) -> None:

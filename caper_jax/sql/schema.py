@@ -87,13 +87,15 @@ class Schema:
             tables = tuple(entry["table_names_original"])
             raw_columns = entry["column_names_original"]
             types = entry["column_types"]
-            primary = set(entry.get("primary_keys", []))
-            # Composite primary keys appear as nested lists in some entries.
-            primary |= {i for key in entry.get("primary_keys", []) if isinstance(key, list) for i in key}
+            # Composite primary keys appear as nested lists (Spider's train_others, BIRD).
+            primary = {i for key in entry.get("primary_keys", [])
+                       for i in (key if isinstance(key, list) else [key])}
             columns, index_to_column = [], {}
             for index, ((table_index, name), type_) in enumerate(zip(raw_columns, types)):
                 if table_index < 0:  # the "*" pseudo-column
                     continue
+                # Spider writes type classes; BIRD's dev_tables.json writes SQLite type names.
+                type_ = type_ if type_ in _TYPE_CLASSES else type_class(type_)
                 column = Column(tables[table_index], name, type_, index in primary)
                 columns.append(column)
                 index_to_column[index] = column

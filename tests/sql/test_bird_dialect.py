@@ -89,11 +89,6 @@ def test_empty_databases_are_dev_tables_json_as_sqlite_reads_them(data, database
             connection.close()
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "caper_jax/sql/schema.py Schema.from_spider refuses every BIRD entry: set(primary_keys) fails on a "
-    "composite key (a list), and BIRD's column_types are SQLite type names (integer, real, date, datetime), "
-    "not Spider's type classes, so Column() raises 'bad type'. Fix there: flatten list keys before the set, "
-    "map a type that is not a class through type_class(); then remove this mark"))
 def test_schema_from_dev_tables_json_equals_the_sqlite_catalogue(data, databases):
     for entry in json.loads((data / "dev_tables.json").read_text()):
         written = Schema.from_spider(entry)
