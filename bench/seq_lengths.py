@@ -230,6 +230,38 @@ def annotated_pairs(tok, spider: pathlib.Path, predictions: pathlib.Path, n_gold
                      "tuples_by_source": by_source}
 
 
+def clause_alignment(tok, sqls, chunk: int = 512) -> dict:
+    """How Qwen3.5's BPE meets clause boundaries, on whole queries as ``score_batch`` tokenises them (no
+    prompt: it is tokenised apart): clause states whose training ids (``ClauseEncoder``: preceding SQL +
+    clause, one piece) differ from the first ids of the whole query, and clause-end tokens (the token
+    holding a clause's last character) that also hold non-space text of what follows."""
+    from collections import Counter
+
+    encoder = pp.ClauseEncoder(tok, 1 << 20, prompt_fn=lambda question, schema: "")
+    states = mismatched = 0
+    straddles: Counter = Counter()
+    parsed = [(sql, split_clauses(sql)) for sql in sqls if clause_states(sql)]
+    for start in range(0, len(parsed), chunk):
+        rows = parsed[start: start + chunk]
+        out = pp.score_batch([{"question": "", "schema": "", "sql": sql} for sql, _ in rows], tok, max_len=1 << 20,
+                             bucket_lengths=(1 << 20,), prompt_fn=lambda question, schema: "")
+        sides = [("", "", prefix, clause) for sql, _ in rows for prefix, clause in clause_states(sql)]
+        encoded = iter(encoder.encode(sides))
+        offsets = tok([sql for sql, _ in rows], add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        for b, ((sql, units), spans) in enumerate(zip(rows, offsets)):
+            for k, unit in enumerate(units):
+                ids = next(encoded)
+                pos = int(out["clause_pos"][b, k])
+                states += 1
+                mismatched += int(out["input_ids"][b, : pos + 1].tolist() != ids.tolist())
+                end = max(e for s_, e in spans if s_ <= unit.end - 1 < e)
+                if sql[unit.end: end].strip():
+                    straddles[f"{unit.name}: {sql[unit.end - 1: end]!r}"] += 1
+    return {"queries": len(parsed), "clause_states": states, "training_ids_differ": mismatched,
+            "clause_end_tokens_holding_later_text": sum(straddles.values()),
+            "most_common": straddles.most_common(6)}
+
+
 # --- report ----------------------------------------------------------------------------------------
 
 def row(name: str, lengths: np.ndarray) -> dict:
@@ -315,6 +347,17 @@ def main(argv=None) -> int:
                 "gold SQL + stop > 128 (grpo max_new_tokens)": int((sql[name] > GRPO_NEW_TOKENS).sum())}
         report["limits"][name] = over
         print("  over the 9B configs' limits: " + "; ".join(f"{k}: {v}" for k, v in over.items()))
+
+    predicted = [sql for system in ("c3sql_chatgpt", "dail_sql_gpt4", "dail_sql_gpt4_sc", "graphix_t5")
+                 for sql in (args.predictions / f"{system}.sql").read_text().splitlines() if sql.strip()]
+    golds = [e.query for e in corpora["spider dev"][0]] + [e.query for e in corpora["bird dev"][0]]
+    alignment = clause_alignment(tok, golds + [line.split("\t")[0] for line in predicted])
+    print(f"\nclause boundaries (Spider dev + BIRD dev golds, four published systems' Spider dev predictions): "
+          f"{alignment['queries']} queries, {alignment['clause_states']} clause states; training ids differ from "
+          f"the whole query's first ids in {alignment['training_ids_differ']}; a clause-end token also holds "
+          f"later non-space text in {alignment['clause_end_tokens_holding_later_text']} "
+          f"(most common: {alignment['most_common']})")
+    report["alignment"] = alignment
 
     pairs, info = annotated_pairs(tok, args.spider, args.predictions, args.tuple_golds, args.tuple_failures,
                                   args.seed)

@@ -439,4 +439,4 @@ def test_real_tokenizer_pipeline_batches_and_left_truncation(qwen35):
         (ids,) = pp.ClauseEncoder(tok, max_len).encode([("q", "t(a)", sql[: where.start], where.text)])
         assert ids.tolist() == full[-max_len:] and tok.decode(ids).endswith(where.text)
     with pytest.raises(pp.ClauseTooLongError):
-        pp.ClauseEncoder(tok, clause_tokens - 2).encode([("q", "t(a)", sql[: where.start], where.text)])
+        pp.ClauseEncoder(tok, clause_tokens - 1).encode([("q", "t(a)", sql[: where.start], where.text)])
