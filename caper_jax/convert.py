@@ -1,4 +1,4 @@
-"""Qwen3.5 checkpoint conversion: transformers safetensors <-> orbax run, and a parity check.
+"""Qwen3.5 checkpoint conversion: transformers safetensors <-> orbax run, a parity check, and the tokenizer.
 
     python -m caper_jax.convert hf-to-orbax --hf_dir D --out O [--dtype bfloat16]
     python -m caper_jax.convert orbax-to-hf --ckpt O --out D2 [--max_shard_gb 5]
@@ -242,7 +242,7 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> int:
 def _run(command: str, f: flags.FlagValues) -> int:
     if command == "qwen35-tokenizer":
         atomic.check_output_dir(f.out, inputs=(), flag="--out", must_be_empty=True)
-        qwen35_tokenizer.package_encoder()   # the packages, before any work
+        qwen35_tokenizer.require_packages()   # before any work
         print(_into_place(f.out, qwen35_tokenizer.build_qwen35_tokenizer))
         return 0
     if command == "orbax-to-hf":

