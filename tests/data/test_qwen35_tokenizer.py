@@ -26,7 +26,8 @@ NON_ASCII = [
 
 
 def spider_texts(spider) -> list[str]:
-    """Every Spider dev question, gold query and serialised schema, and each question's policy prompt."""
+    """Every Spider dev question, gold query and serialised schema, and the first 200 questions' whole SFT
+    sequences (policy prompt with its chat markers + gold + <|im_end|>)."""
     examples = load_split(spider, "dev")
     schemas = {db_id: serialize_schema(entry) for db_id, entry in load_schemas(spider, "dev").items()}
     prompts = [policy_prompt(e.question, schemas[e.db_id]) + e.query + END_OF_SQL for e in examples[:200]]
