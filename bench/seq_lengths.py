@@ -344,7 +344,9 @@ def main(argv=None) -> int:
                     int((values["prompt + gold SQL + <|im_end|> (SFT)"] > 2048).sum()),
                 "PRM state > 2048 (prm max_len: prompt cut)":
                     int((values["PRM states (prompt + preceding SQL + clause)"] > 2048).sum()),
-                "gold SQL + stop > 128 (grpo max_new_tokens)": int((sql[name] > GRPO_NEW_TOKENS).sum())}
+                "gold SQL + stop > 128 (grpo max_new_tokens)": int((sql[name] > GRPO_NEW_TOKENS).sum()),
+                "gold SQL + stop > 192": int((sql[name] > 192).sum()),
+                "gold SQL + stop > 256": int((sql[name] > 256).sum())}
         report["limits"][name] = over
         print("  over the 9B configs' limits: " + "; ".join(f"{k}: {v}" for k, v in over.items()))
 
