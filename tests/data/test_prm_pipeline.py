@@ -264,7 +264,10 @@ def test_score_batch_truncation_drops_only_clauses_that_fall_off(tokenizer):
     assert cut["clause_pos"][0, 0] == -1 and cut["clause_pos"][0, 4] >= 0  # SELECT fell off, LIMIT kept
 
 
-def test_within_groups_score_each_tuple_on_a_prefix_of_one_sequence(tokenizer):
+@pytest.mark.parametrize("kind", ["demo", "qwen35"])
+def test_within_groups_score_each_tuple_on_a_prefix_of_one_sequence(kind, tokenizer, request):
+    if kind == "qwen35":   # the real tokenizer: a state's last token found by offsets in the whole query
+        tokenizer = request.getfixturevalue("qwen35")[0]
     tuples = make_within_tuples()
     n_within = len(tuples) - 2
     pipeline = build(tuples, tokenizer, global_batch_size=2, within_batch_size=3, num_epochs=None)
