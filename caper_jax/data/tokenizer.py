@@ -15,6 +15,9 @@ corpus (``reproduce.build_spider_view`` gives it Spider's training prompts + SQL
   packing), ``<|im_start|>`` and ``<|im_end|>`` (prompt markers, caper_jax.sql.contract;
   ``<|im_end|>`` is the end-of-sequence token that ends the policy's SQL) — the same strings
   Qwen's tokenizer uses.
+
+The real Qwen3.5 tokenizer, which the 9B recipe reads, is written offline by
+``caper_jax.data.qwen35_tokenizer`` (``python -m caper_jax.convert qwen35-tokenizer``; docs/tokenizer.md).
 """
 from __future__ import annotations
 

@@ -264,7 +264,10 @@ def test_score_batch_truncation_drops_only_clauses_that_fall_off(tokenizer):
     assert cut["clause_pos"][0, 0] == -1 and cut["clause_pos"][0, 4] >= 0  # SELECT fell off, LIMIT kept
 
 
-def test_within_groups_score_each_tuple_on_a_prefix_of_one_sequence(tokenizer):
+@pytest.mark.parametrize("kind", ["demo", "qwen35"])
+def test_within_groups_score_each_tuple_on_a_prefix_of_one_sequence(kind, tokenizer, request):
+    if kind == "qwen35":   # the real tokenizer: a state's last token found by offsets in the whole query
+        tokenizer = request.getfixturevalue("qwen35")[0]
     tuples = make_within_tuples()
     n_within = len(tuples) - 2
     pipeline = build(tuples, tokenizer, global_batch_size=2, within_batch_size=3, num_epochs=None)
@@ -361,3 +364,82 @@ def test_lm_weight_leaves_out_a_wrong_querys_states(tokenizer):
             seen[float(batch["lm_weight"][row])] += 1
         assert (batch["lm_weight"][batch["weight"] == 0] == 0).all()   # padding rows
     assert seen[0.0] == len(tuples) - 2 and seen[1.0] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The real Qwen3.5 tokenizer (the session's ``qwen35`` fixture) on Spider's SQL and prompts
+
+# Multi-line, compound and non-ASCII SQL next to Spider's: a clause keyword after a newline carries no
+# leading space (HAVING then splits into 'HAV' 'ING'), and multi-byte characters split into byte tokens.
+HARD_SQLS = (
+    "SELECT max(a)\nFROM t GROUP BY b\nHAVING count(*) > 2",
+    "SELECT a FROM t WHERE a IN (SELECT b FROM c)\nORDER BY d",
+    "SELECT \"名前\" FROM 表 WHERE 市 = '東京' UNION SELECT nom FROM élève WHERE ville = 'Zürich'",
+    "SELECT T1.name FROM singer AS T1 WHERE T1.age > 20 ORDER BY T1.age DESC LIMIT 3",
+)
+
+
+def spider_rows(spider, every: int = 7) -> list[dict]:
+    from caper_jax.data.spider import load_schemas, load_split
+    from caper_jax.sql.contract import serialize_schema
+
+    examples = load_split(spider, "dev")
+    schemas = {db_id: serialize_schema(entry) for db_id, entry in load_schemas(spider, "dev").items()}
+    rows = [dict(question=e.question, schema=schemas[e.db_id], sql=e.query) for e in examples[::every]]
+    return rows + [dict(question="Which names?", schema=rows[0]["schema"], sql=sql) for sql in HARD_SQLS]
+
+
+def test_real_tokenizer_scores_each_clause_at_its_last_token_as_training_does(qwen35, spider):
+    """Qwen3.5's BPE on Spider dev golds: the training sequence of every clause (prompt + preceding SQL +
+    clause) is exactly the prefix of the whole query's sequence that score_batch reads it at; that token
+    holds the clause's last character and nothing of the next clause; the last clause is read at
+    <|im_end|> (248046)."""
+    tok, _ = qwen35
+    rows = spider_rows(spider)
+    out = pp.score_batch(rows, tok, max_len=2048, bucket_lengths=(512, 1024, 2048))
+    encoder = pp.ClauseEncoder(tok, 2048)
+    checked = 0
+    for b, row in enumerate(rows):
+        units = split_clauses(row["sql"])
+        prompt = tok(pp.prm_prompt(row["question"], row["schema"]), add_special_tokens=False)["input_ids"]
+        ids = out["input_ids"][b]
+        for k, unit in enumerate(units):
+            pos = int(out["clause_pos"][b, k])
+            last = k == len(units) - 1
+            (train_ids,) = encoder.encode([(row["question"], row["schema"], row["sql"][: unit.start],
+                                            unit.text + (END if last else ""))])
+            np.testing.assert_array_equal(ids[: pos + 1], train_ids, err_msg=f"{row['sql']!r} {unit.name}")
+            sql_so_far = tok.decode(ids[len(prompt): pos + 1])
+            if last:
+                assert ids[pos] == 248046 and sql_so_far == row["sql"][: unit.end] + END
+            else:   # the token read holds the clause's last character, the one before it does not
+                assert sql_so_far == row["sql"][: unit.end], (row["sql"], unit.name, sql_so_far)
+                assert len(tok.decode(ids[len(prompt): pos])) < unit.end
+            checked += 1
+    assert checked > 400
+
+
+def test_real_tokenizer_pipeline_batches_and_left_truncation(qwen35):
+    """The pair pipeline with Qwen3.5's tokenizer: rows decode to prompt + prefix + clause, the score
+    position is the clause's last token, padding is <|endoftext|>; a cut keeps the clause whole."""
+    tok, _ = qwen35
+    tuples = make_tuples(24)
+    pipeline = build(tuples, tok, max_len=192, bucket_lengths=(64, 128, 192))
+    batch = pipeline.dataset[0]
+    for row in np.flatnonzero(batch["weight"]):
+        rec = tuples[batch["record_index"][row]]
+        for side in ("chosen", "rejected"):
+            ids, pos = batch[f"{side}_ids"][row], batch[f"{side}_pos"][row]
+            text = prompt_fn(rec["question"], rec["schema"]) + pp.join_sql(rec[f"prefix_{side}"], rec[side])
+            assert tok.decode(ids[: pos + 1]) == text
+            assert (ids[pos + 1:] == 248044).all()
+    sql = HARD_SQLS[3]
+    where = split_clauses(sql)[2]
+    full = tok(pp.prm_prompt("q", "t(a)"), add_special_tokens=False)["input_ids"] + \
+        tok(sql[: where.end], add_special_tokens=False)["input_ids"]
+    clause_tokens = len(tok(" " + where.text, add_special_tokens=False)["input_ids"])   # ' WHERE' ... '2' '0'
+    for max_len in (clause_tokens, clause_tokens + 5):
+        (ids,) = pp.ClauseEncoder(tok, max_len).encode([("q", "t(a)", sql[: where.start], where.text)])
+        assert ids.tolist() == full[-max_len:] and tok.decode(ids).endswith(where.text)
+    with pytest.raises(pp.ClauseTooLongError):
+        pp.ClauseEncoder(tok, clause_tokens - 1).encode([("q", "t(a)", sql[: where.start], where.text)])

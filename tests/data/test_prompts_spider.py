@@ -70,6 +70,33 @@ def test_prompts_hold_schema_question_and_hint():
     assert contract.prompt_question("  Q?  ", "") == "  Q?  "   # no evidence: the split's text, unchanged
 
 
+def test_prompts_with_the_real_qwen35_tokenizer(qwen35, spider):
+    """Qwen3.5's tokenizer reads the prompt's chat markers as its single special tokens (248045, 248046), the
+    schema and question between them as text; prompt_batch left-pads with <|endoftext|> (248044) and cuts
+    from the left, so the tail every SQL continues (``<|im_start|>assistant\\n``) is always kept."""
+    import numpy as np
+
+    from caper_jax.policy.prompts import prompt_batch
+
+    tok, _ = qwen35
+    schemas = {db_id: contract.serialize_schema(e) for db_id, e in readers.load_schemas(spider, "dev").items()}
+    examples = readers.load_split(spider, "dev")[:40]
+    prompts = [contract.policy_prompt(e.question, schemas[e.db_id]) for e in examples]
+    tail = tok("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert tail == [248046, 198, 248045, 74455, 198]
+    for prompt, ids in zip(prompts, tok(prompts, add_special_tokens=False)["input_ids"]):
+        assert ids[0] == 248045 and ids[-5:] == tail and ids.count(248045) == 2 and ids.count(248046) == 1
+        assert tok.decode(ids) == prompt
+    ids, mask = prompt_batch(prompts, tok, max_prompt_len=96, multiple=32)
+    lengths = [len(x) for x in tok(prompts, add_special_tokens=False)["input_ids"]]
+    assert ids.shape[1] == min(96, -(-max(lengths) // 32) * 32) and max(lengths) > 96   # some are cut
+    for row, n in enumerate(lengths):
+        kept = min(n, ids.shape[1])
+        assert mask[row].sum() == kept and (ids[row, : ids.shape[1] - kept] == 248044).all()
+        full = tok(prompts[row], add_special_tokens=False)["input_ids"]
+        np.testing.assert_array_equal(ids[row, ids.shape[1] - kept:], full[-kept:])
+
+
 def test_spider_dev_reader(spider, caplog):
     raw = json.loads((spider / "dev.json").read_text())
     with caplog.at_level(logging.WARNING, logger="caper_jax.data.spider"):

@@ -1,4 +1,5 @@
-"""The demo tokenizer: exact round trips, offsets that index the text, determinism, transformers loading."""
+"""The demo tokenizer: exact round trips, offsets that index the text, determinism, transformers loading;
+the byte-level contract (round trips, offsets, digits) also with the real Qwen3.5 tokenizer."""
 import json
 
 import pytest
@@ -25,15 +26,21 @@ def saved(tmp_path_factory):
     return build_demo_tokenizer(out), out
 
 
-def test_round_trip_of_any_text(saved):
-    tok, _ = saved
+@pytest.fixture(params=["demo", "qwen35"])
+def any_tokenizer(request, saved):
+    """The demo tokenizer, then the real Qwen3.5 one (the session's ``qwen35``): the same byte-level contract."""
+    return saved[0] if request.param == "demo" else request.getfixturevalue("qwen35")[0]
+
+
+def test_round_trip_of_any_text(any_tokenizer):
+    tok = any_tokenizer
     for text in TEXTS:
         ids = tok(text)["input_ids"]
         assert tok.decode(ids) == text
 
 
-def test_offsets_index_and_cover_the_text(saved):
-    tok, _ = saved
+def test_offsets_index_and_cover_the_text(any_tokenizer):
+    tok = any_tokenizer
     for text in TEXTS:
         enc = tok(text, return_offsets_mapping=True)
         offsets = enc["offset_mapping"]
@@ -76,8 +83,8 @@ def test_two_builds_are_identical(saved, tmp_path):
     assert json.loads((tmp_path / "tokenizer.json").read_text()) == json.loads((out / "tokenizer.json").read_text())
 
 
-def test_digits_are_single_tokens(saved):
-    tok, _ = saved
+def test_digits_are_single_tokens(any_tokenizer):
+    tok = any_tokenizer
     tokens = tok.convert_ids_to_tokens(tok("price > 1234.5")["input_ids"])
     assert [t for t in tokens if any(c.isdigit() for c in t)] == ["1", "2", "3", "4", "5"]
 

@@ -212,6 +212,26 @@ def test_spans_with_a_trained_bpe_tokenizer_and_split_clauses():
         assert np.all(np.diff(ends) > 0)
 
 
+def test_spans_with_the_real_qwen35_tokenizer(qwen35, spider):
+    """Qwen3.5's offsets on Spider dev golds and non-ASCII SQL: each clause maps to the token holding its last
+    character (the last such token where a character is split over several byte tokens)."""
+    from caper_jax.data.spider import load_split
+    from caper_jax.sql.clauses import split_clauses
+
+    tok, _ = qwen35
+    sqls = [ex.query for ex in load_split(spider, "dev")[::3]]
+    sqls += ["SELECT \"名前\" FROM 表 WHERE 市 = '東京' ORDER BY 1", "SELECT x FROM t WHERE y = '🙂👍🏽' LIMIT 1",
+             "SELECT max(a)\nFROM t GROUP BY b\nHAVING count(*) > 2"]
+    split_chars = 0
+    for sql in sqls:
+        units = split_clauses(sql)
+        offsets = tok(sql, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        expected = [max(i for i, (s, e) in enumerate(offsets) if s <= u.end - 1 < e) for u in units]
+        np.testing.assert_array_equal(spans_to_token_ends(units, offsets), expected, err_msg=sql)
+        split_chars += len(offsets) - len(set(map(tuple, offsets)))
+    assert split_chars > 0     # some characters did span several tokens
+
+
 def test_span_errors():
     offsets = [(0, 3), (3, 6)]
     with pytest.raises(ValueError, match="empty"):

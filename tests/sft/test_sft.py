@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from caper_jax.sql.contract import END_OF_SQL
+from caper_jax.sql.contract import END_OF_SQL, policy_prompt
 from caper_jax.utils.optim import init_state, make_optimizer
 from caper_jax.sft import data as D
 from caper_jax.sft import trainer as S
@@ -87,8 +87,9 @@ EXAMPLES = [D.SftExample(f"How many rows with id {i}?", "t(id number PK, name te
                          f"SELECT COUNT(*) FROM t WHERE id = {i}") for i in range(7)]
 
 
-def test_pipeline_targets_truncation_and_resume():
-    tok = hand_tokenizer()
+@pytest.mark.parametrize("tokenizer", ["hand", "qwen35"])
+def test_pipeline_targets_truncation_and_resume(tokenizer, request):
+    tok = hand_tokenizer() if tokenizer == "hand" else request.getfixturevalue("qwen35")[0]
     stop = D.stop_token_id(tok)
     assert tok.convert_ids_to_tokens(stop) == END_OF_SQL
     pipe = D.sft_pipeline(EXAMPLES, tok, global_batch_size=2, max_len=64, bucket_lengths=(48, 64), seed=1)
@@ -119,6 +120,30 @@ def test_pipeline_targets_truncation_and_resume():
 
     with pytest.raises(D.SqlTooLongError):
         D.encode_examples([D.SftExample("q", "s", "SELECT " + "x, " * 30 + "y FROM t")], tok, max_len=64)
+
+
+def test_spider_targets_with_the_real_tokenizer(qwen35, spider):
+    """Qwen3.5's tokenizer on Spider dev: each sequence is the prompt's own tokens then the gold's own tokens
+    then <|im_end|> (248046), the loss reads exactly those, and a cut drops prompt tokens from the left."""
+    tok, _ = qwen35
+    examples = D.examples_from_split(spider, "dev")[::5]
+    sequences, prompt_lengths = D.encode_examples(examples, tok, max_len=2048)
+    for ex, seq, n_prompt in zip(examples, sequences, prompt_lengths):
+        prompt = tok(policy_prompt(ex.question, ex.schema), add_special_tokens=False)["input_ids"]
+        sql = tok(ex.sql.strip(), add_special_tokens=False)["input_ids"]
+        assert seq.tolist() == prompt + sql + [248046] and n_prompt == len(prompt)
+        batch = D.make_batch([seq], [n_prompt], length=len(seq) + 3, size=1, pad_id=tok.pad_token_id)
+        mask = batch["loss_mask"][0].astype(bool)
+        assert tok.decode(batch["targets"][0][mask]) == ex.sql.strip() + END_OF_SQL
+        assert (batch["input_ids"][0, len(seq):] == 248044).all()      # padded with <|endoftext|>
+    longest = max(examples, key=lambda ex: len(ex.schema))
+    (full,), _ = D.encode_examples([longest], tok, max_len=4096)
+    n_target = len(tok(longest.sql.strip(), add_special_tokens=False)["input_ids"]) + 1
+    (cut,), (n_prompt,) = D.encode_examples([longest], tok, max_len=n_target + 7)
+    assert cut.tolist() == full[-(n_target + 7):].tolist() and n_prompt == 7
+    assert tok.decode(cut[:n_prompt]).endswith("<|im_start|>assistant\n")
+    with pytest.raises(D.SqlTooLongError):
+        D.encode_examples([longest], tok, max_len=n_target)
 
 
 def test_hosts_agree_on_lengths():
