@@ -5,6 +5,7 @@
     python -m caper_jax.train --config=configs/grpo.py --workdir=runs/grpo_demo
     python -m caper_jax.train --config=configs/sft.py --workdir=runs/sft_demo
     python -m caper_jax.train --config=configs/reproduce.py --workdir=runs/reproduce   # the whole experiment
+    python -m caper_jax.train --config=configs/spider_verifier.py --workdir=runs/spider_verifier
 
 ``--config.a.b=value`` overrides any field; an unknown key or a value of the wrong type is refused with a
 clear message before anything is built or compiled. ``config.trainer`` picks the loop; each loop is a
@@ -43,7 +44,9 @@ TRAINERS = {
     "prm": "caper_jax.prm.trainer",
     "grpo": "caper_jax.rl.trainer",
     "sft": "caper_jax.sft.trainer",
-    "reproduce": "caper_jax.reproduce",   # all of the above in sequence, plus evaluation and report
+    # The experiments: all of the above in sequence, plus evaluation and report (caper_jax.experiments).
+    "reproduce": "caper_jax.experiments.miniature",
+    "spider_verifier": "caper_jax.experiments.spider_verifier",
 }
 
 
