@@ -11,7 +11,6 @@ import pathlib
 
 import numpy as np
 from ml_collections import ConfigDict
-from scipy import stats
 
 from caper_jax.utils.monitoring import plot_bars
 
@@ -27,6 +26,9 @@ def picked_questions_note(pick: dict) -> str:
 
 def paired_interval(a: list[float], b: list[float], confidence: float = 0.95) -> dict:
     """Mean of the paired differences a - b with its two-sided t-interval over the pairs (None below 2 pairs)."""
+    # Deferred: scipy.stats takes seconds to load, and a command line that stops at a config error needs none of it.
+    from scipy import stats
+
     if len(a) != len(b):
         raise ValueError(f"paired values need equal lengths, got {len(a)} and {len(b)}")
     d = np.subtract(a, b, dtype=np.float64)

@@ -34,7 +34,6 @@ from ml_collections import ConfigDict
 
 from caper_jax import loop
 from caper_jax.data.spider import load_schemas, load_split, read_system_predictions
-from caper_jax.data.tokenizer import SPECIAL_TOKENS, SQL_WORDS, build_demo_tokenizer
 from caper_jax.eval import policy as policy_lib
 from caper_jax.eval import verify
 from caper_jax.eval.ex import evaluate_ex
@@ -186,6 +185,9 @@ def build_spider_view(config: ConfigDict, view: pathlib.Path) -> dict:
     train_no_db/train_spider_questions.json); dev.json = the dev questions whose database is present
     (a seeded subset of ``data.dev_questions``), each with ``source_index``, its line in the systems'
     files; and a byte-level BPE tokenizer trained on the training prompts + SQL only."""
+    # Deferred: it loads transformers (seconds), which only building the view needs, not a config check or a resume.
+    from caper_jax.data.tokenizer import SPECIAL_TOKENS, SQL_WORDS, build_demo_tokenizer
+
     src = pathlib.Path(config.data.spider_dir).resolve()
     view.mkdir(parents=True, exist_ok=True)
     for name in ("database", "tables.json"):
