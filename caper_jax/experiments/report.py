@@ -22,8 +22,6 @@ def picked_questions_note(pick: dict) -> str:
             "that also trained the PRM (in sample) ")
 
 
-
-
 def paired_interval(a: list[float], b: list[float], confidence: float = 0.95) -> dict:
     """Mean of the paired differences a - b with its two-sided t-interval over the pairs (None below 2 pairs)."""
     # Deferred: scipy.stats takes seconds to load, and a command line that stops at a config error needs none of it.
@@ -45,8 +43,6 @@ def summary(values: dict[str, list[float]]) -> dict[str, dict]:
     """Per policy: mean, sample std over seeds (0 for one run) and the per-seed values."""
     return {name: {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else 0.0,
                    "values": v} for name, v in values.items()}
-
-
 
 
 def _pm(entry: dict) -> str:
@@ -195,8 +191,6 @@ def claims(results: dict) -> list[str]:
     return lines
 
 
-
-
 def plot_grpo_curves(curves: dict, out_png: pathlib.Path) -> None:
     """Rollout reward and EX by step per variant (mean over seeds), side by side."""
     # Deferred as in caper_jax.utils.monitoring: the backend must be chosen before pyplot loads, and
@@ -218,8 +212,6 @@ def plot_grpo_curves(curves: dict, out_png: pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
-
-
 
 
 def write_verifier_report(results: dict, out: pathlib.Path, stage_order: tuple[str, ...]) -> None:

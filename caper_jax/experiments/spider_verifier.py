@@ -243,7 +243,6 @@ def verify_systems(config: ConfigDict, view: pathlib.Path, candidates: list[dict
     return {"alone": alone, "pool": summary}
 
 
-
 # -- results
 
 
