@@ -305,7 +305,7 @@ def check_dry_run(config) -> None:
     reads no HF directory), so the preset must be known even when ``model.hf_dir`` is set."""
     from caper_jax.models.presets import PRESETS
 
-    if config.trainer == "reproduce":   # no model of its own: its stages' dry runs compile theirs
+    if "model" not in config:   # an experiment (caper_jax.experiments): its stages' dry runs compile theirs
         for stage in ("sft", "prm", "grpo"):   # configs/spider_verifier.py has no grpo stage
             if stage in config:
                 check_dry_run(config[stage])

@@ -5,6 +5,7 @@
     python -m caper_jax.train --config=configs/grpo.py --workdir=runs/grpo_demo
     python -m caper_jax.train --config=configs/sft.py --workdir=runs/sft_demo
     python -m caper_jax.train --config=configs/reproduce.py --workdir=runs/reproduce   # the whole experiment
+    python -m caper_jax.train --config=configs/spider_verifier.py --workdir=runs/spider_verifier
 
 ``--config.a.b=value`` overrides any field; an unknown key or a value of the wrong type is refused with a
 clear message before anything is built or compiled. ``config.trainer`` picks the loop; each loop is a
@@ -30,8 +31,11 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from caper_jax.data.spider import DataError
+from caper_jax.data.world import WorldError
 from caper_jax.parallel import multihost
-from caper_jax.utils import cli
+from caper_jax.utils import atomic, cli
+from caper_jax.utils.errors import CheckpointError, NonFiniteLossError, Preempted
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/prm.py[:arg].",
                                           lock_config=True)
@@ -43,7 +47,9 @@ TRAINERS = {
     "prm": "caper_jax.prm.trainer",
     "grpo": "caper_jax.rl.trainer",
     "sft": "caper_jax.sft.trainer",
-    "reproduce": "caper_jax.reproduce",   # all of the above in sequence, plus evaluation and report
+    # The experiments: all of the above in sequence, plus evaluation and report (caper_jax.experiments).
+    "reproduce": "caper_jax.experiments.miniature",
+    "spider_verifier": "caper_jax.experiments.spider_verifier",
 }
 
 
@@ -59,8 +65,6 @@ def workdir_problem(workdir: str) -> str | None:
     writable directory. Writability is probed by creating a file, which is what counts (root,
     read-only mounts, immutable directories).
     """
-    from caper_jax.utils import atomic
-
     if "://" in workdir:   # pathlib would quietly turn gs://b/x into the local folder gs:/b/x
         return (f"--workdir={workdir}: URLs are not supported; mount the bucket (e.g. gcsfuse) and pass its "
                 "POSIX path (docs/scale.md)")
@@ -93,7 +97,8 @@ def main(argv: list[str]) -> None:
     try:
         trainer.validate(config)
         if _DRY_RUN.value:
-            from caper_jax.loop import check_dry_run   # as the trainers are: a flag error loads no flax/orbax
+            # Deferred like the trainer modules (imported above): a flag error answers before flax and orbax load.
+            from caper_jax.loop import check_dry_run
 
             check_dry_run(config)
     except (ValueError, KeyError) as e:
@@ -106,10 +111,6 @@ def main(argv: list[str]) -> None:
     problem = workdir_problem(_WORKDIR.value)
     if problem:
         cli.usage_error(problem)
-    from caper_jax.data.spider import DataError
-    from caper_jax.data.world import WorldError
-    from caper_jax.utils.errors import CheckpointError, NonFiniteLossError, Preempted
-
     try:
         trainer.run(config, _WORKDIR.value)
     # Bad inputs found when the run opens them: data.dir not a usable layout or a malformed split file,

@@ -1,4 +1,4 @@
-"""The miniature CAPER experiment, end to end (caper_jax/reproduce.py has the stages).
+"""The miniature CAPER experiment, end to end (caper_jax/experiments/miniature.py has the stages).
 
 Built-in default — 2 CPU cores, no downloads, 23 minutes measured (2026-12-02, AVX-512 EPYC): the demo world; SFT of a tiny
 Qwen3.5-architecture policy; k samples per question; annotation; a Clause-PRM trained on the
@@ -11,6 +11,8 @@ questions (report.rerank="train") that the PRM never trained on (report.pick_hel
 
     bash launch/reproduce_cpu.sh runs/reproduce
     python -m caper_jax.train --config=configs/reproduce.py --workdir=runs/reproduce    # the same
+    bash launch/reproduce_cpu.sh runs/rep_fast :fast
+    python -m caper_jax.train --config=configs/reproduce.py:fast --workdir=runs/rep_fast    # the same
 
 Writes ``results.md`` (the paper's three tables, mean ± std over seeds), ``results.json`` and plots
 to the workdir. Every stage resumes: rerunning the command after an interruption skips what is done.

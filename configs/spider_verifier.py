@@ -1,6 +1,6 @@
 """The Clause-PRM as a plug-and-play verifier on real candidates (the paper's third experiment, on Spider).
 
-From nothing (``caper_jax/reproduce.py``, ``run_verifier``; every stage resumes):
+From nothing (``caper_jax/experiments/spider_verifier.py``, trainer "spider_verifier"; every stage resumes):
 
     view      a Spider layout under <workdir>/spider: links to ../shared/data/spider's databases and
               tables.json; train.json = Spider's training questions whose database is present (6,904 of
@@ -19,7 +19,9 @@ From nothing (``caper_jax/reproduce.py``, ``run_verifier``; every stage resumes)
     verify    EX on dev of each system alone, MV@6, every PRM reranker, oracle@6 (caper_jax.eval.verify)
 
     bash launch/spider_verifier.sh runs/spider_verifier
-    python -m caper_jax.train --config=configs/spider_verifier.py --workdir=runs/spider_verifier
+    python -m caper_jax.train --config=configs/spider_verifier.py --workdir=runs/spider_verifier    # the same
+    bash launch/spider_verifier.sh runs/sv_fast :fast
+    python -m caper_jax.train --config=configs/spider_verifier.py:fast --workdir=runs/sv_fast     # the same
 
 Variants (``:arg``): ``:fast`` — every stage at toy size (tests use it; its numbers mean nothing).
 """
@@ -43,8 +45,7 @@ SYSTEMS = ("c3sql_chatgpt.sql", "dail_sql_gpt4.sql", "dail_sql_gpt4_sc.sql", "di
 def get_config(arg: str | None = None) -> ConfigDict:
     arg = parse_arg(arg, fast=False)
     c = ConfigDict()
-    c.trainer = "reproduce"
-    c.pipeline = "spider_verifier"
+    c.trainer = "spider_verifier"
     c.seed = 0
 
     c.data = ConfigDict()

@@ -5,12 +5,12 @@
 REPRODUCTION_WORKDIR is a finished run of `bash launch/reproduce_cpu.sh` with the default config
 (held-back pick); it is read, never written, except that its own PRM (``prm/``) is seed 0 of the
 first row. For seeds 0, 1, 2 it trains the reproduction's own PRM stage config
-(``reproduce.stage_configs(...)["prm"]``) three ways: the default (SFT-initialised backbone, pick
+(``miniature.stage_configs(...)["prm"]``) three ways: the default (SFT-initialised backbone, pick
 questions held back), a random backbone, and the SFT backbone with the pick questions' samples and
 golds kept in (``OUTDIR/prm_data_insample``). The seed changes the fault-injection draws, the head's
 initialisation and the data order. For each PRM it records the trainer's localisation of the
-held-out failures, the reranker pick on the held-back questions (``reproduce.pick_reranker``) and the
-SFT policy's test samples reranked (``reproduce.rerank_saved_samples`` on a copy of ``eval/sft``) in
+held-out failures, the reranker pick on the held-back questions (``rerankers.pick_reranker``) and the
+SFT policy's test samples reranked (``miniature.rerank_saved_samples`` on a copy of ``eval/sft``) in
 ``OUTDIR/<row>_s<seed>.json``, then prints the table of docs/reproduce_results/prm_seeds.md.
 Every PRM resumes: a rerun skips what is done.
 """
@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from caper_jax import reproduce  # noqa: E402
+from caper_jax.experiments import miniature, rerankers, samples  # noqa: E402
 from caper_jax.prm import trainer  # noqa: E402
 from configs.reproduce import get_config  # noqa: E402
 
@@ -35,8 +35,8 @@ def in_sample_data(run: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     """The run's PRM data with the pick questions' golds and samples kept in (an in-sample pick)."""
     data = out / "prm_data_insample"
     if not data.exists():
-        reproduce.build_prm_data(run / "world", run / "samples" / "train.jsonl", run / "eval" / "sft" / "predictions.jsonl",
-                                 data, "train", "dev")   # no held_back: the pick questions train the PRM too
+        samples.build_prm_data(run / "world", run / "samples" / "train.jsonl", run / "eval" / "sft" / "predictions.jsonl",
+                               data, "train", "dev")   # no held_back: the pick questions train the PRM too
         # The held-out rows with the confidence stage's clause log-probs (the confidence baseline reads them).
         shutil.copyfile(run / "prm_data" / "predictions_dev.jsonl", data / "predictions_dev.jsonl")
     return data
@@ -49,18 +49,18 @@ def measure(config, run: pathlib.Path, out: pathlib.Path, row: str, seed: int) -
     world = run / "world"
     prm_dir = run / "prm" if (row, seed) == ("heldback_sft", 0) else out / f"{row}_s{seed}"
     if not (prm_dir / "results.json").exists():
-        c = copy.deepcopy(reproduce.stage_configs(config, run, world, str(world / "tokenizer"))["prm"])
+        c = copy.deepcopy(miniature.stage_configs(config, run, world, str(world / "tokenizer"))["prm"])
         c.unlock()
         c.seed = seed
         c.data.dir = str(in_sample_data(run, out) if row.startswith("insample") else run / "prm_data")
         c.model.init_from = "" if row.endswith("random") else str(run / "sft")
         trainer.run(c, str(prm_dir))
     prm = json.loads((prm_dir / "results.json").read_text())
-    pick = reproduce.pick_reranker(config, world, run / "samples" / "train.jsonl", prm_dir)
+    pick = rerankers.pick_reranker(config, world, run / "samples" / "train.jsonl", prm_dir)
     eval_copy = out / f"eval_sft_{row}_s{seed}"
     shutil.rmtree(eval_copy, ignore_errors=True)
     shutil.copytree(run / "eval" / "sft", eval_copy)
-    test = reproduce.rerank_saved_samples(config, world, eval_copy, prm_dir)["metrics"]
+    test = miniature.rerank_saved_samples(config, world, eval_copy, prm_dir)["metrics"]
     loc = prm["localization"]["prm"]
     result = {"row": row, "seed": seed, "top1": loc["top1"], "mrr": loc["mrr"], "n": loc["n"],
               "pair_accuracy": prm["metrics"].get("eval/pair_accuracy"), "pick": pick,

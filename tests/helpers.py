@@ -57,7 +57,8 @@ reply = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)                               # nothing but replies on the reply channel
 from absl import app
 from caper_jax import train
-import caper_jax.prm.trainer, caper_jax.rl.trainer, caper_jax.sft.trainer, caper_jax.reproduce
+import caper_jax.prm.trainer, caper_jax.rl.trainer, caper_jax.sft.trainer
+import caper_jax.experiments.miniature, caper_jax.experiments.spider_verifier
 from jax._src import xla_bridge
 assert not xla_bridge._backends, "a JAX backend exists before the fork"
 for line in sys.stdin:

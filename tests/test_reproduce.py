@@ -1,7 +1,8 @@
-"""The miniature-reproduction orchestrator (caper_jax/reproduce.py): wiring, report and config checks.
+"""The miniature reproduction (caper_jax/experiments/miniature.py and what it shares with the Spider
+verifier: stages.py, samples.py, report.py): wiring, report and config checks.
 
 The stages themselves are the trainers and the evaluator, tested in their own files; here the pieces
-only this module owns are checked against hand-computed values, and one run of every stage at toy
+only the experiments own are checked against hand-computed values, and one run of every stage at toy
 size (``configs/reproduce.py:fast``) checks that the outputs are wired to the next stage's inputs.
 """
 import json
@@ -12,13 +13,13 @@ import sys
 import numpy as np
 import pytest
 
-from caper_jax import reproduce
+from caper_jax.experiments import miniature, report, samples, stages
 from configs import reproduce as reproduce_config
 from tests.helpers import REPO, run_train
 
 
 def test_summary_is_mean_and_sample_std():
-    out = reproduce.summary({"clause": [0.2, 0.3, 0.4], "sft": [0.25]})
+    out = report.summary({"clause": [0.2, 0.3, 0.4], "sft": [0.25]})
     assert out["clause"]["mean"] == pytest.approx(0.3)
     assert out["clause"]["std"] == pytest.approx(0.1)          # sqrt(((.1)^2 + 0 + (.1)^2) / 2)
     assert out["clause"]["values"] == [0.2, 0.3, 0.4]
@@ -26,7 +27,7 @@ def test_summary_is_mean_and_sample_std():
 
 
 def test_unique_keeps_first_occurrences_and_drops_empty():
-    assert reproduce.unique(["SELECT 1", "", "SELECT 2", "SELECT 1", "  "]) == ["SELECT 1", "SELECT 2"]
+    assert samples.unique(["SELECT 1", "", "SELECT 2", "SELECT 1", "  "]) == ["SELECT 1", "SELECT 2"]
 
 
 def test_prm_data_links_the_world_and_holds_only_policy_samples(tmp_path):
@@ -41,7 +42,7 @@ def test_prm_data_links_the_world_and_holds_only_policy_samples(tmp_path):
     eval_rows.write_text(json.dumps({"db_id": "db", "question": "q2", "gold": "SELECT 3",
                                      "samples": ["SELECT 3", "SELECT 4", "SELECT 3", ""]}) + "\n")
     out = tmp_path / "prm_data"
-    reproduce.build_prm_data(world, train_samples, eval_rows, out, "train", "dev")
+    samples.build_prm_data(world, train_samples, eval_rows, out, "train", "dev")
 
     assert (out / "database").is_symlink() and (out / "database").resolve() == (world / "database").resolve()
     assert (out / "train.json").read_text() == "[]"
@@ -62,9 +63,9 @@ def test_held_back_pick_questions_are_out_of_the_prms_samples_and_golds(tmp_path
     (world / "train.json").write_text(json.dumps(questions))
     train_samples = tmp_path / "samples" / "train.jsonl"
     train_samples.parent.mkdir()
-    reproduce.write_jsonl(train_samples, [{"db_id": "db", "question": q["question"], "gold": q["query"],
+    samples.write_jsonl(train_samples, [{"db_id": "db", "question": q["question"], "gold": q["query"],
                                            "pred": f"{q['query']} + {j}"} for q in questions for j in (1, 2)])
-    reproduce.write_jsonl(reproduce.groups_path(train_samples),
+    samples.write_jsonl(samples.groups_path(train_samples),
                           [{"db_id": "db", "question": q["question"], "gold": q["query"],
                             "samples": [f"{q['query']} + 1", f"{q['query']} + 2"]} for q in questions])
     eval_rows = tmp_path / "predictions.jsonl"
@@ -73,19 +74,19 @@ def test_held_back_pick_questions_are_out_of_the_prms_samples_and_golds(tmp_path
     config.report.pick_questions = 4
 
     config.report.pick_held_back = False
-    assert reproduce.held_back_questions(config, train_samples) == set()
+    assert samples.held_back_questions(config, train_samples) == set()
     config.report.pick_held_back = True
-    held = reproduce.held_back_questions(config, train_samples)
-    picked = {(g["db_id"], g["question"], g["gold"]) for g in reproduce.pick_groups(config, train_samples)}
+    held = samples.held_back_questions(config, train_samples)
+    picked = {(g["db_id"], g["question"], g["gold"]) for g in samples.pick_groups(config, train_samples)}
     assert len(held) == 4 and held == picked
 
     out = tmp_path / "prm_data"
-    reproduce.build_prm_data(world, train_samples, eval_rows, out, "train", "dev", held)
+    samples.build_prm_data(world, train_samples, eval_rows, out, "train", "dev", held)
     kept = json.loads((out / "train.json").read_text())
     assert not (out / "train.json").is_symlink() and len(kept) == 6
     assert not {(q["db_id"], q["question"], q["query"]) for q in kept} & held
-    samples = [json.loads(line) for line in (out / "predictions_train.jsonl").read_text().splitlines()]
-    assert len(samples) == 12 and not {(r["db_id"], r["question"], r["gold"]) for r in samples} & held
+    kept_samples = [json.loads(line) for line in (out / "predictions_train.jsonl").read_text().splitlines()]
+    assert len(kept_samples) == 12 and not {(r["db_id"], r["question"], r["gold"]) for r in kept_samples} & held
     assert json.loads((world / "train.json").read_text()) == questions     # the world itself is untouched
 
 
@@ -102,7 +103,7 @@ def _fake_stage_outputs(out: pathlib.Path, config) -> dict:
         {"metrics": {"eval/pair_accuracy": 0.9}, "localization": loc, "n_failures": 10}))
     ex = {"sft": [0.1], "sparse": [0.2, 0.4], "token": [0.1, 0.1], "clause": [0.3, 0.5]}
     for name, values in ex.items():
-        runs = ["sft"] if name == "sft" else [reproduce.run_name(name, s) for s in config.seeds]
+        runs = ["sft"] if name == "sft" else [miniature.run_name(name, s) for s in config.seeds]
         for run, value in zip(runs, values):
             d = out / "eval" / run
             d.mkdir(parents=True)
@@ -111,7 +112,7 @@ def _fake_stage_outputs(out: pathlib.Path, config) -> dict:
                                "vote_mean": value + 0.06, "vote_last": value + 0.05}}
             (d / "results.json").write_text(json.dumps({"n": 40, "metrics": metrics}))
         for s, value in zip(config.seeds if name != "sft" else (), values):
-            d = out / "grpo" / reproduce.run_name(name, s)
+            d = out / "grpo" / miniature.run_name(name, s)
             d.mkdir(parents=True)
             (d / "metrics.jsonl").write_text("".join(
                 json.dumps({"step": step, "rollout/ex": value * step, "rollout/reward_mean": value}) + "\n"
@@ -122,12 +123,16 @@ def _fake_stage_outputs(out: pathlib.Path, config) -> dict:
     return ex
 
 
+def _stage_order(config, out: pathlib.Path) -> tuple[str, ...]:
+    return stages.stage_names(miniature.stages(config, out, stages.StageClock(out / "stage_seconds.json")))
+
+
 def test_collect_and_report_from_stage_outputs(tmp_path):
     config = reproduce_config.get_config("seeds=2")
     ex = _fake_stage_outputs(tmp_path, config)
-    results = reproduce.collect(config, tmp_path)
+    results = miniature.collect(config, tmp_path)
     results["seconds"] = {"sft": 12.0}
-    reproduce.write_report(config, results, tmp_path)
+    report.write_miniature_report(config, results, tmp_path, _stage_order(config, tmp_path))
 
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["localization_top1"] == 0.6 and saved["localization_mrr"] == 0.8
@@ -171,6 +176,7 @@ def test_collect_and_report_from_stage_outputs(tmp_path):
     assert "misses the paper's +0.7" not in md   # +2.0 points meets it
     assert (tmp_path / "grpo_curves.png").stat().st_size > 0
     assert (tmp_path / "localization_per_clause.png").stat().st_size > 0
+    assert md.endswith("| stage | seconds |\n|---|---|\n| sft | 12 |\n")
 
 
 def test_report_without_held_out_failures_says_so(tmp_path):
@@ -178,10 +184,10 @@ def test_report_without_held_out_failures_says_so(tmp_path):
     against "`None`" and pointed to a plot that is not written."""
     config = reproduce_config.get_config("seeds=2")
     _fake_stage_outputs(tmp_path, config)
-    results = reproduce.collect(config, tmp_path)
+    results = miniature.collect(config, tmp_path)
     results |= {"seconds": {}, "localization_n": 0, "localization_top1": None, "localization_mrr": None,
                 "baselines": {}, "best_fair_baseline": None, "localization_per_clause": {}}
-    reproduce.write_report(config, results, tmp_path)
+    report.write_miniature_report(config, results, tmp_path, _stage_order(config, tmp_path))
     md = (tmp_path / "results.md").read_text()
     table1 = md.split("## Table 1")[1].split("## Table 2")[0]
     assert "nothing to localise" in table1 and "None" not in table1 and "| method |" not in table1
@@ -255,8 +261,8 @@ def test_every_stage_runs_and_a_rerun_resumes_without_redoing_work(tmp_path):
     assert set(results["ex"]) == {"sft", "sparse", "clause"}
     assert results["ex"]["sparse"]["values"] and len(results["ex"]["sparse"]["values"]) == 1
     assert (out / "grpo" / "clause_s0" / "checkpoints").is_dir() and (out / "prm" / "checkpoints").is_dir()
-    samples = [json.loads(line) for line in (out / "prm_data" / "predictions_train.jsonl").read_text().splitlines()]
-    assert samples and all(s["pred"].strip() for s in samples)
+    train_rows = [json.loads(line) for line in (out / "prm_data" / "predictions_train.jsonl").read_text().splitlines()]
+    assert train_rows and all(s["pred"].strip() for s in train_rows)
     assert "## Table 2" in (out / "results.md").read_text()
     seconds = json.loads((out / "stage_seconds.json").read_text())
 
@@ -273,36 +279,64 @@ def test_stages_use_the_configured_compilation_cache_else_the_workdirs(tmp_path)
     options, so a copied cache never hits: runs share compiles only through one folder)."""
     import jax
 
-    from caper_jax import reproduce
-
     saved = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
     try:
         jax.config.update("jax_compilation_cache_dir", str(tmp_path / "shared"))
-        reproduce.start_stages(tmp_path / "w1")
+        stages.start_stages(tmp_path / "w1")
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "shared")
         jax.config.update("jax_compilation_cache_dir", None)
-        reproduce.start_stages(tmp_path / "w2")
+        stages.start_stages(tmp_path / "w2")
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "w2" / "jax_cache")
     finally:
         jax.config.update("jax_compilation_cache_dir", saved[0])
         jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
 
 
-def test_rerank_minus_vote_is_paired_per_question(tmp_path):
-    """Hand-computed: 4 questions; min picks right where the vote is wrong once and wrong where it is
-    right once (difference 0), vote_min agrees with the vote everywhere but on one gain (+1/4)."""
-    rows = [  # candidate verdicts, the vote's pick, each selector's pick
-        ([True, False], 1, {"min": 0, "vote_min": 0}),
-        ([True, False], 0, {"min": 1, "vote_min": 0}),
-        ([False, True], 1, {"min": 1, "vote_min": 1}),
-        ([False, False], 0, {"min": 0, "vote_min": 0}),
-    ]
-    path = tmp_path / "choices.jsonl"
-    path.write_text("".join(json.dumps({"candidate_correct": c, "vote_choice": v, "choices": ch}) + "\n"
-                            for c, v, ch in rows) + json.dumps({"correct": None, "excluded": "missing_db"}) + "\n")
-    paired = reproduce.rerank_minus_vote(path)
-    assert paired["min"]["n"] == paired["vote_min"]["n"] == 4
-    assert paired["min"]["mean"] == 0.0 and paired["vote_min"]["mean"] == 0.25
-    # differences (0, 0, 0, 1): sd 0.5, t(0.975, 3) = 3.182 -> half-width 3.182 * 0.5 / 2
-    assert paired["vote_min"]["lo"] == pytest.approx(0.25 - 0.7955, abs=1e-3)
-    assert paired["vote_min"]["hi"] == pytest.approx(0.25 + 0.7955, abs=1e-3)
+def test_run_stages_skips_a_stage_whose_output_exists_and_times_each_by_name(tmp_path):
+    """The resume rule: a stage runs until its output exists, never after; shared names add up."""
+    ran = []
+
+    def make(path):
+        def function():
+            ran.append(path.name)
+            path.write_text("done")
+            return path.name
+        return function
+
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    b.write_text("from an earlier run")
+    pipeline = [stages.Stage("first", a, make(a)), stages.Stage("second", b, make(b)),
+                stages.Stage("first", stages.AnyOf((c, a)), make(c)),   # a exists by then: skipped
+                stages.Stage("always", None, lambda: ran.append("always"))]
+    clock = stages.StageClock(tmp_path / "stage_seconds.json")
+    returned = stages.run_stages(pipeline, clock)
+    assert ran == ["a", "always"] and returned == {"first": "a", "always": None}
+    assert not c.exists() and b.read_text() == "from an earlier run"
+    assert stages.stage_names(pipeline) == ("first", "second", "always")
+    assert set(json.loads((tmp_path / "stage_seconds.json").read_text())) == {"first", "second", "always"}
+    stages.run_stages(pipeline, stages.StageClock(tmp_path / "stage_seconds.json"))
+    assert ran == ["a", "always", "always"]
+
+
+def test_the_miniature_stages_keep_the_workdir_layout(tmp_path):
+    """Stage names and outputs as a workdir of the single-module orchestrator has them, so such a workdir
+    resumes where it stopped (and stage_seconds.json keeps its rows)."""
+    config = reproduce_config.get_config("seeds=2")
+    pipeline = miniature.stages(config, tmp_path, stages.StageClock(tmp_path / "stage_seconds.json"))
+    out = tmp_path
+    grpo = [(stage, out / root / f"{variant}_s{seed}" / "results.json")
+            for variant in ("sparse", "token", "clause") for seed in (0, 1)
+            for stage, root in (("grpo", "grpo"), ("eval", "eval"))]
+    assert [(s.name, s.output if isinstance(s.output, pathlib.Path) or s.output is None else type(s.output).__name__)
+            for s in pipeline] == [
+        ("world", None), ("sft", out / "sft" / "results.json"), ("eval_sft", out / "eval" / "sft" / "results.json"),
+        ("samples", out / "samples" / "train.jsonl"), ("confidence", "AnyOf"), ("prm", out / "prm" / "results.json"),
+        ("pick", out / "rerank_pick.json"), ("rerank_sft", "Reranked"), *grpo, ("report", None)]
+    assert pipeline[4].output.outputs == (out / "prm_data" / "CONFIDENCE_DONE", out / "prm" / "results.json")
+    (out / "eval" / "sft").mkdir(parents=True)
+    (out / "eval" / "sft" / "results.json").write_text(json.dumps({"metrics": {"greedy": 0.5}}))
+    assert not pipeline[7].done()
+    (out / "eval" / "sft" / "results.json").write_text(json.dumps({"metrics": {"greedy": 0.5, "prm": {}}}))
+    assert pipeline[7].done()
+    assert stages.stage_names(pipeline) == ("world", "sft", "eval_sft", "samples", "confidence", "prm", "pick",
+                                            "rerank_sft", "grpo", "eval", "report")

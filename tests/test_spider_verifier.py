@@ -1,4 +1,5 @@
-"""configs/spider_verifier.py:fast end to end: every stage of the verifier on real Spider data at toy size.
+"""configs/spider_verifier.py:fast end to end (caper_jax/experiments/spider_verifier.py): every stage of the
+verifier on real Spider data at toy size.
 
 The numbers mean nothing at this size; the test checks the wiring and the report against independent
 paths: EX of the first candidate through ``verify`` (pool) equals that system's EX through
@@ -10,6 +11,7 @@ import sys
 
 import pytest
 
+from caper_jax.experiments import spider_verifier
 from tests.helpers import REPO, require, run_train, spider_dir
 
 SELECTORS = {"min", "mean", "last", "vote_min", "vote_mean", "vote_last"}
@@ -34,9 +36,9 @@ def test_fast_verifier_runs_every_stage(tmp_path):
     assert set(results["rerank_minus_mv"]) == SELECTORS
     assert results["rerank_pick"]["split"] == "train" and results["rerank_pick"]["held_back"] is True
     # The pick questions (report.pick_held_back) are in neither the PRM's samples nor its fault-injected golds.
-    from caper_jax import reproduce
+    from caper_jax.experiments.samples import held_back_questions
     from configs.spider_verifier import get_config
-    held = reproduce.held_back_questions(get_config("fast"), out / "samples" / "train.jsonl")
+    held = held_back_questions(get_config("fast"), out / "samples" / "train.jsonl")
     assert len(held) == results["rerank_pick"]["n"] == 6
     prm_golds = {(q["db_id"], q["question"], q["query"])
                  for q in json.loads((out / "prm_data" / "train.json").read_text())}
@@ -87,7 +89,6 @@ def test_a_workdir_verified_before_the_per_candidate_verdicts_is_verified_again(
     runs again instead (every other stage is done, so nothing else reruns), and once only."""
     import jax
 
-    from caper_jax import reproduce
     from configs.spider_verifier import get_config
 
     out = tmp_path / "sv"
@@ -109,15 +110,35 @@ def test_a_workdir_verified_before_the_per_candidate_verdicts_is_verified_again(
              "choices": {"min": 0}}) + "\n" for i in range(2)))
         return {"alone": {}, "pool": pool}
 
-    monkeypatch.setattr(reproduce, "system_candidates", lambda config, view: [])
-    monkeypatch.setattr(reproduce, "verify_systems", verify_systems)
+    monkeypatch.setattr(spider_verifier, "system_candidates", lambda config, view: [])
+    monkeypatch.setattr(spider_verifier, "verify_systems", verify_systems)
     cache = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
     try:
-        results = reproduce.run_verifier(get_config("fast"), str(out))
+        results = spider_verifier.run(get_config("fast"), str(out))
         assert verified == [out]
         assert results["rerank_minus_mv"]["min"]["n"] == 2 and results["rerank_minus_mv"]["min"]["mean"] == 0.5
-        reproduce.run_verifier(get_config("fast"), str(out))
+        spider_verifier.run(get_config("fast"), str(out))
         assert verified == [out]   # the new lines are complete: no second verification
-    finally:   # run_verifier points XLA's persistent cache at the workdir; the rest of the session must not
+    finally:   # run points XLA's persistent cache at the workdir; the rest of the session must not
         jax.config.update("jax_compilation_cache_dir", cache[0])
         jax.config.update("jax_persistent_cache_min_compile_time_secs", cache[1])
+
+
+def test_rerank_minus_vote_is_paired_per_question(tmp_path):
+    """Hand-computed: 4 questions; min picks right where the vote is wrong once and wrong where it is
+    right once (difference 0), vote_min agrees with the vote everywhere but on one gain (+1/4)."""
+    rows = [  # candidate verdicts, the vote's pick, each selector's pick
+        ([True, False], 1, {"min": 0, "vote_min": 0}),
+        ([True, False], 0, {"min": 1, "vote_min": 0}),
+        ([False, True], 1, {"min": 1, "vote_min": 1}),
+        ([False, False], 0, {"min": 0, "vote_min": 0}),
+    ]
+    path = tmp_path / "choices.jsonl"
+    path.write_text("".join(json.dumps({"candidate_correct": c, "vote_choice": v, "choices": ch}) + "\n"
+                            for c, v, ch in rows) + json.dumps({"correct": None, "excluded": "missing_db"}) + "\n")
+    paired = spider_verifier.rerank_minus_vote(path)
+    assert paired["min"]["n"] == paired["vote_min"]["n"] == 4
+    assert paired["min"]["mean"] == 0.0 and paired["vote_min"]["mean"] == 0.25
+    # differences (0, 0, 0, 1): sd 0.5, t(0.975, 3) = 3.182 -> half-width 3.182 * 0.5 / 2
+    assert paired["vote_min"]["lo"] == pytest.approx(0.25 - 0.7955, abs=1e-3)
+    assert paired["vote_min"]["hi"] == pytest.approx(0.25 + 0.7955, abs=1e-3)
