@@ -1,8 +1,8 @@
 """The run loop the three trainers share (Clause-PRM, SFT, GRPO): everything around their step.
 
-Learnt from levanter's Trainer with hooks. ``Run`` holds what every run has: the workdir, the main
+Learnt from levanter's Trainer with hooks. ``TrainingRun`` holds what every run has: the workdir, the main
 process flag, the mesh and sharding rules, the metric writer, the checkpointer with resume (state and
-data iterator), the wall-clock start. ``Run.train`` steps, logs every ``log_every`` steps (means of
+data iterator), the wall-clock start. ``TrainingRun.train`` steps, logs every ``log_every`` steps (means of
 the train metrics, learning rate, steps/s and ETA), evaluates every ``eval_every`` steps, stops with
 ``NonFiniteLossError`` after too many refused updates and checkpoints (always at the last step). A
 trainer keeps only what is its own: the model, the step, evaluation and its report.
@@ -153,8 +153,8 @@ def train_means(fetched: list[dict]) -> dict[str, float]:
 
 
 @dataclasses.dataclass
-class Run:
-    """One trainer run in ``workdir``: start with ``Run.start``, then ``use_mesh``, ``resume``,
+class TrainingRun:
+    """One trainer run in ``workdir``: start with ``TrainingRun.start``, then ``use_mesh``, ``resume``,
     ``train`` and ``finish``."""
 
     config: Any
@@ -169,7 +169,7 @@ class Run:
     run_record: dict | None = None     # caper_jax.runs.record, saved with every checkpoint
 
     @classmethod
-    def start(cls, config, workdir: str | pathlib.Path) -> Run:
+    def start(cls, config, workdir: str | pathlib.Path) -> TrainingRun:
         started = time.perf_counter()
         multihost.initialize()
         workdir = pathlib.Path(workdir)
@@ -277,7 +277,7 @@ class Run:
             plot_curves(read_metrics(self.workdir / "metrics.jsonl"), curves, self.workdir / png, title=title)
 
 
-def finish_policy_run(run: Run, results: dict, rows: list[dict], policy, tokenizer, *, curves: list[str],
+def finish_policy_run(run: TrainingRun, results: dict, rows: list[dict], policy, tokenizer, *, curves: list[str],
                       png: str, title: str) -> None:
     """The end of an SFT or GRPO run: eval metrics, curves, HF export, predictions, then results.json.
 

@@ -82,7 +82,7 @@ class RunInfo:
 
 
 @dataclasses.dataclass(frozen=True)
-class Run(RunInfo):
+class SavedRun(RunInfo):
     """A loaded run: its description plus parameters (and, for ``what="state"``, the full TrainState)."""
 
     graphdef: Any = None
@@ -263,7 +263,7 @@ def read_run(path: str | pathlib.Path, *, step: int = 0, trainers: Sequence[str]
 
 def load_run(path: str | pathlib.Path, *, mesh, rules, what: str = "params", step: int = 0,
              trainers: Sequence[str] | None = None, dtype: str | None = None, param_dtype: str | None = None,
-             remat: str = "none") -> Run:
+             remat: str = "none") -> SavedRun:
     """A run's model restored onto ``mesh``: its description (``read_run``) plus params or full state.
 
     ``dtype`` / ``param_dtype`` default to the run's own (stored parameters are cast to
@@ -283,9 +283,9 @@ def load_run(path: str | pathlib.Path, *, mesh, rules, what: str = "params", ste
                                                   mesh, rules)
     fields = {**{f.name: getattr(info, f.name) for f in dataclasses.fields(RunInfo)}, "model_config": arch}
     if what == "params":
-        return Run(**fields, graphdef=graphdef, params=_restore_params(info.step_dir, abstract))
+        return SavedRun(**fields, graphdef=graphdef, params=_restore_params(info.step_dir, abstract))
     state = _restore_state(info, abstract, mesh, rules)
-    return Run(**fields, graphdef=graphdef, params=state.params, state=state)
+    return SavedRun(**fields, graphdef=graphdef, params=state.params, state=state)
 
 
 def _restore_params(step_dir: pathlib.Path, abstract_params: nnx.State) -> nnx.State:

@@ -65,14 +65,14 @@ def test_shared_checks_refuse_the_same_way(trainer):
 
 
 def _toy_run(tmp_path, total_steps=5):
-    """A Run over a three-number state (no model): what the loop does around any trainer's step."""
+    """A TrainingRun over a three-number state (no model): what the loop does around any trainer's step."""
     from ml_collections import ConfigDict
 
     config = ConfigDict({"log_every": 2, "ckpt_every": 2, "ckpt_keep": 2, "sharding_rules": (),
                          "mesh_shape": {"data": 1, "fsdp": -1, "tensor": 1},
                          "optim": {"total_steps": total_steps, "lr": 0.1, "warmup_steps": 0,
                                    "max_consecutive_nonfinite": 1}})
-    run = loop.Run.start(config, tmp_path / "run")
+    run = loop.TrainingRun.start(config, tmp_path / "run")
     run.use_mesh()
     state = init_state({"w": jnp.zeros(3)}, optax.sgd(0.1))
     return run, run.resume(state, None, run_record=None)

@@ -198,7 +198,7 @@ def write_outputs(config, workdir: pathlib.Path, results: dict, model: ClausePRM
 
 
 def run(config, workdir: str) -> dict:
-    run = loop.Run.start(config, workdir)
+    run = loop.TrainingRun.start(config, workdir)
     workdir = run.workdir
 
     # Data: the world (demo or Spider layout), its tokenizer, and annotated tuples. Process 0

@@ -169,7 +169,7 @@ def run(config, workdir: str) -> dict:
     from caper_jax.sql.execution import Executors
 
     check_runs(config)   # before the workdir and the world are made
-    run = loop.Run.start(config, workdir)
+    run = loop.TrainingRun.start(config, workdir)
     world = prepare_world(config, run.workdir)
     tokenizer = world.tokenizer
     stop_tokens = tuple(sorted({stop_token_id(tokenizer)} |

@@ -79,7 +79,7 @@ def run(config, workdir: str) -> dict:
     from caper_jax.policy.rollout import held_out_ex
     from caper_jax.sql.execution import Executors
 
-    run = loop.Run.start(config, workdir)
+    run = loop.TrainingRun.start(config, workdir)
     world = prepare_world(config, run.workdir)
     tokenizer = world.tokenizer
     stop = stop_token_id(tokenizer)
