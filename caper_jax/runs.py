@@ -18,7 +18,7 @@ gone (a workdir copied to another machine with its demo world inside).
 
 ``load_run`` picks the step the way training resumes: the newest one whose integrity manifest
 verifies (``caper_jax.checkpoint.verify``; a damaged newer step is skipped with a warning), or
-exactly the requested one. With ``what="params"`` only ``state.params`` is read (orbax partial
+exactly the requested one. With ``what="params"`` only ``state.params`` is read (a partial
 restore, straight onto the target shardings): inference never needs the optimizer moments, which
 are twice the parameters' size. ``what="state"`` restores the whole ``TrainState`` (optimizer from
 the stored ``optim`` config). Every way a run can be missing, partial or not fit what is asked of it
@@ -27,14 +27,12 @@ raises ``CheckpointError`` with the path and the reason.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import pathlib
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from caper_jax import checkpoint as ckpt_lib
@@ -147,14 +145,9 @@ def _step_dir(path: str | pathlib.Path, step: int) -> pathlib.Path:
     return step_dir
 
 
-def _json_item(step_dir: pathlib.Path, item: str) -> dict[str, Any] | None:
-    path = step_dir / item / "metadata"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def stored_config(step_dir: pathlib.Path) -> dict[str, Any]:
     """The trainer config saved with a checkpoint (the ``config`` item, JSON)."""
-    config = _json_item(step_dir, "config")
+    config = ckpt_lib.read_json_item(step_dir, "config")
     if config is None:
         raise CheckpointError(f"{step_dir} holds no trainer config (was it written by caper_jax.checkpoint?)")
     return config
@@ -162,10 +155,7 @@ def stored_config(step_dir: pathlib.Path) -> dict[str, Any]:
 
 def stored_param_shapes(step_dir: pathlib.Path) -> dict[str, tuple[int, ...]]:
     """'/'-joined parameter path -> stored shape (from orbax metadata; no array is read)."""
-    # The item's handler, not a Checkpointer: a Checkpointer looks for step-level metadata inside
-    # the item directory and logs a warning when it (rightly) is not there.
-    metadata = ocp.PyTreeCheckpointHandler().metadata(step_dir / "state")
-    tree = getattr(metadata, "tree", metadata)
+    tree = ckpt_lib.stored_state_tree(step_dir)
     flat = {}
 
     def walk(node: Any, prefix: tuple[str, ...]) -> None:
@@ -242,7 +232,7 @@ def read_run(path: str | pathlib.Path, *, step: int = 0, trainers: Sequence[str]
         wanted = "/".join(_TRAINER_NAMES.get(t, t) for t in trainers)
         raise CheckpointError(f"{step_dir} was written by the {config.get('trainer')!r} trainer, not {wanted}")
     workdir = step_dir.parent.parent
-    run_item = _json_item(step_dir, RUN_ITEM)
+    run_item = ckpt_lib.read_json_item(step_dir, RUN_ITEM)
     if run_item is None:
         return RunInfo(workdir, step_dir, int(step_dir.name), config, _legacy_model(config, step_dir),
                        _legacy_tokenizer_dir(config, workdir), recorded=False)
@@ -290,16 +280,10 @@ def load_run(path: str | pathlib.Path, *, mesh, rules, what: str = "params", ste
 
 def _restore_params(step_dir: pathlib.Path, abstract_params: nnx.State) -> nnx.State:
     """Reads only ``state.params`` of a checkpoint onto the shardings carried by ``abstract_params``."""
-    target = {"params": abstract_params}
-    args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                  partial_restore=True)
-    handler = ocp.PyTreeCheckpointHandler()      # as in stored_param_shapes
     try:
-        restored = handler.restore(step_dir / "state", args=args)
+        restored = ckpt_lib.restore_state_item(step_dir, {"params": abstract_params}, partial=True)
     except ValueError as error:  # shape/structure mismatch: the record does not describe these params
         raise CheckpointError(f"{step_dir}: stored parameters do not fit the model of its config: {error}") from error
-    finally:
-        handler.close()
     return restored["params"]
 
 
@@ -317,10 +301,7 @@ def _restore_state(info: RunInfo, abstract_params: nnx.State, mesh, rules):
     state = jax.eval_shape(lambda p: optim_lib.init_state(p, tx), abstract_params)
     shardings = rules_lib.logical_to_sharding(state, mesh, rules)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
-    handler = ocp.StandardCheckpointHandler()
     try:
-        return handler.restore(info.step_dir / "state", args=ocp.args.StandardRestore(abstract))
+        return ckpt_lib.restore_state_item(info.step_dir, abstract)
     except ValueError as error:
         raise CheckpointError(f"{info.step_dir}: the stored train state does not fit its config: {error}") from error
-    finally:
-        handler.close()
