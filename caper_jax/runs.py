@@ -9,12 +9,9 @@ vocabulary size included — and the directory the run's tokenizer came from
 (``caper_jax.data.world.DataWorld.tokenizer_dir``). Readers rebuild the model from that record, so
 no reader re-derives the architecture from the trainer config by its own rule.
 
-Runs written before the record existed still load: their architecture is re-derived the way every
-reader did it before (``model.hf_dir`` / ``policy.hf_dir`` config.json, the parent SFT run of a GRPO
-run, else ``model.preset`` with the vocabulary read from the stored embedding), and their tokenizer
-is looked up in ``model.tokenizer_dir``, the demo world's ``tokenizer/``, ``model.hf_dir``,
-``hf_export/`` in that order — as is the tokenizer of a recorded run whose recorded directory is
-gone (a workdir copied to another machine with its demo world inside).
+Runs of an older layout (saved before the record, or a recorded tokenizer directory that is gone:
+a workdir copied to another machine) are converted once by ``python -m caper_jax.upgrade_run WORKDIR``;
+reading one unconverted is a ``CheckpointError`` that names that command.
 
 ``load_run`` picks the step the way training resumes: the newest one whose integrity manifest
 verifies (``caper_jax.checkpoint.verify``; a damaged newer step is skipped with a warning), or
@@ -45,6 +42,7 @@ log = logging.getLogger(__name__)
 RUN_FORMAT = 1
 CONVERTED = "convert"       # the ``trainer`` of a converted HF model's config
 POLICY_TRAINERS = ("sft", "grpo", CONVERTED)   # runs whose model is a causal LM (a policy)
+UPGRADE_COMMAND = "python -m caper_jax.upgrade_run"   # converts a run of an older layout (caper_jax/upgrade_run.py)
 _TRAINER_NAMES = {"sft": "SFT", "grpo": "GRPO", "prm": "Clause-PRM", CONVERTED: "convert hf-to-orbax"}
 
 
@@ -64,7 +62,6 @@ class RunInfo:
     config: dict[str, Any]            # the trainer config stored with the checkpoint
     model_config: Qwen35Config        # the architecture, with the run-time fields it trained with
     tokenizer_dir: pathlib.Path | None
-    recorded: bool                    # False: a run from before the record (legacy rules)
 
     @property
     def trainer(self) -> str | None:
@@ -74,8 +71,12 @@ class RunInfo:
         """The run's tokenizer (``AutoTokenizer`` of ``tokenizer_dir``)."""
         from transformers import AutoTokenizer
 
-        if self.tokenizer_dir is None or not (self.tokenizer_dir / "tokenizer_config.json").is_file():
-            raise CheckpointError(f"{self.step_dir}: no tokenizer found (recorded: {self.tokenizer_dir})")
+        if self.tokenizer_dir is None:
+            raise CheckpointError(f"{self.step_dir}: the run records no tokenizer")
+        if not (self.tokenizer_dir / "tokenizer_config.json").is_file():
+            raise CheckpointError(f"{self.step_dir}: no tokenizer in the recorded {self.tokenizer_dir} (a workdir "
+                                  f"copied from another machine? {UPGRADE_COMMAND} {self.workdir} finds the one "
+                                  "it holds)")
         return AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
 
 
@@ -118,7 +119,8 @@ def checkpoints_dir(path: str | pathlib.Path) -> pathlib.Path:
         return path
     if (path / "params").is_dir() and (path / "config.json").is_file():
         raise CheckpointError(f"{path} was written by an older `convert hf-to-orbax` (params/ + config.json); "
-                              "convert the HF directory again")
+                              "convert the HF directory again: python -m caper_jax.convert hf-to-orbax --hf_dir "
+                              "HF_DIR --out OUT")
     raise CheckpointError(f"{path} is neither a trainer workdir (no checkpoints/) nor a checkpoints directory")
 
 
@@ -153,22 +155,6 @@ def stored_config(step_dir: pathlib.Path) -> dict[str, Any]:
     return config
 
 
-def stored_param_shapes(step_dir: pathlib.Path) -> dict[str, tuple[int, ...]]:
-    """'/'-joined parameter path -> stored shape (from orbax metadata; no array is read)."""
-    tree = ckpt_lib.stored_state_tree(step_dir)
-    flat = {}
-
-    def walk(node: Any, prefix: tuple[str, ...]) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                walk(value, prefix + (str(key),))
-        else:
-            flat["/".join(p for p in prefix if p != "value")] = tuple(node.shape)
-
-    walk(tree.get("params", {}), ())
-    return flat
-
-
 # -- the run's architecture and tokenizer
 
 
@@ -176,49 +162,10 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def _recorded_model(fields: dict[str, Any]) -> Qwen35Config:
+def recorded_model(fields: dict[str, Any]) -> Qwen35Config:
+    """The ``Qwen35Config`` of a record's ``model`` fields."""
     # JSON gives every tuple field back as a list; the config must stay hashable (graphdef, jit keys).
     return Qwen35Config(**{name: _tuples(value) for name, value in fields.items()})
-
-
-def _legacy_model(config: dict[str, Any], step_dir: pathlib.Path) -> Qwen35Config:
-    """The architecture of a run saved without the record, by the rules its readers used then."""
-    from caper_jax.models import hf_io
-    from caper_jax.models.presets import PRESETS, model_preset
-
-    model = config.get("model", {})
-    runtime = dict(dtype=model.get("dtype", "float32"), param_dtype=model.get("param_dtype", "float32"))
-    hf_dir = model.get("hf_dir") or config.get("policy", {}).get("hf_dir")
-    if hf_dir:
-        if not pathlib.Path(hf_dir, "config.json").is_file():
-            raise CheckpointError(f"{step_dir}: the run was initialised from {hf_dir}, whose config.json (the "
-                                  "architecture) is not there")
-        return hf_io.read_config(hf_dir, **runtime)
-    sft_workdir = config.get("policy", {}).get("sft_workdir")
-    if sft_workdir:  # GRPO started from an SFT run: that run's config names an HF architecture
-        parent_step = latest_whole_step(checkpoints_dir(sft_workdir))
-        parent = stored_config(parent_step)
-        if parent.get("model", {}).get("hf_dir"):
-            return _legacy_model(parent, parent_step).replace(**runtime)
-    shapes = stored_param_shapes(step_dir)
-    embed = shapes.get("embed_tokens") or shapes.get("backbone/embed_tokens") or (None,)
-    if model.get("preset") not in PRESETS:
-        raise CheckpointError(f"{step_dir}: saved without the architecture record, and its config names no known "
-                              f"model.preset ({model.get('preset')!r}; known: {PRESETS})")
-    return model_preset(model["preset"], vocab_size=embed[0], **runtime)
-
-
-def _legacy_tokenizer_dir(config: dict[str, Any], workdir: pathlib.Path) -> pathlib.Path | None:
-    """Where the trainer of a run saved without the record found its tokenizer (module docstring)."""
-    model, data = config.get("model", {}), config.get("data", {})
-    candidates = [model.get("tokenizer_dir")]
-    if data.get("kind") == "demo":
-        candidates.append(str(pathlib.Path(data.get("dir") or workdir / "demo_world") / "tokenizer"))
-    candidates += [model.get("hf_dir"), str(workdir / "hf_export")]
-    for candidate in candidates:
-        if candidate and (pathlib.Path(candidate) / "tokenizer_config.json").is_file():
-            return pathlib.Path(candidate)
-    return None
 
 
 def read_run(path: str | pathlib.Path, *, step: int = 0, trainers: Sequence[str] | None = None) -> RunInfo:
@@ -234,18 +181,16 @@ def read_run(path: str | pathlib.Path, *, step: int = 0, trainers: Sequence[str]
     workdir = step_dir.parent.parent
     run_item = ckpt_lib.read_json_item(step_dir, RUN_ITEM)
     if run_item is None:
-        return RunInfo(workdir, step_dir, int(step_dir.name), config, _legacy_model(config, step_dir),
-                       _legacy_tokenizer_dir(config, workdir), recorded=False)
+        raise CheckpointError(f"{step_dir} was saved before the run record (architecture and tokenizer) existed; "
+                              f"convert the run once: {UPGRADE_COMMAND} {workdir}")
     if run_item.get("format") != RUN_FORMAT:
         raise CheckpointError(f"{step_dir}/{RUN_ITEM}: format {run_item.get('format')!r}, this code reads {RUN_FORMAT}")
     try:
-        model_config = _recorded_model(run_item["model"])
+        model_config = recorded_model(run_item["model"])
     except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(f"{step_dir}/{RUN_ITEM}: not a model config this code can build: {error}") from error
     tokenizer = pathlib.Path(run_item["tokenizer"]) if run_item.get("tokenizer") else None
-    if tokenizer is None or not tokenizer.is_dir():   # a run copied away from its tokenizer: the old rule
-        tokenizer = _legacy_tokenizer_dir(config, workdir) or tokenizer
-    return RunInfo(workdir, step_dir, int(step_dir.name), config, model_config, tokenizer, recorded=True)
+    return RunInfo(workdir, step_dir, int(step_dir.name), config, model_config, tokenizer)
 
 
 # -- loading

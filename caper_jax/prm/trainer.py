@@ -136,16 +136,9 @@ def check_init_from(config, run: runs.RunInfo | None = None, vocab_size: int | N
             run = runs.read_run(source, trainers=runs.POLICY_TRAINERS)
         except CheckpointError as error:
             raise CheckpointError(f"model.init_from={source!r}: {error}") from error
-    stored = run.config.get("model", {})
-    from_hf = bool(stored.get("hf_dir") or run.config.get("policy", {}).get("hf_dir"))
-    if from_hf and not run.recorded:   # its architecture is only in an HF config.json the run may have outlived
-        raise CheckpointError(f"model.init_from={source!r} started from HF weights; set model.hf_dir to those instead")
+    # The run's architecture is its record, which build_model builds whatever the presets say (a GRPO
+    # run's config keeps an unused default preset when its SFT run came from HF weights).
     expected = {"param_dtype": run.model_config.param_dtype}
-    # A recorded run's architecture is its record, which build_model builds whatever the presets say
-    # (a GRPO run's config keeps an unused default preset when its SFT run came from HF weights); a
-    # run saved before the record is still held to the preset rule it was made under.
-    if not run.recorded:
-        expected["preset"] = stored.get("preset")
     mismatched = {k: (v, config.model[k]) for k, v in expected.items() if v != config.model[k]}
     if mismatched:
         raise CheckpointError(f"model.init_from={source!r}: the run's model differs from this PRM's "
