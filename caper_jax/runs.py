@@ -27,14 +27,17 @@ import dataclasses
 import logging
 import pathlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 from flax import nnx
+from ml_collections import ConfigDict
 
 from caper_jax import checkpoint as ckpt_lib
 from caper_jax.checkpoint import RUN_ITEM
 from caper_jax.models.config import Qwen35Config
+from caper_jax.parallel import rules as rules_lib
+from caper_jax.utils import optim as optim_lib
 from caper_jax.utils.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,13 @@ CONVERTED = "convert"       # the ``trainer`` of a converted HF model's config
 POLICY_TRAINERS = ("sft", "grpo", CONVERTED)   # runs whose model is a causal LM (a policy)
 UPGRADE_COMMAND = "python -m caper_jax.upgrade_run"   # converts a run of an older layout (caper_jax/upgrade_run.py)
 _TRAINER_NAMES = {"sft": "SFT", "grpo": "GRPO", "prm": "Clause-PRM", CONVERTED: "convert hf-to-orbax"}
+
+
+class ModuleBuilder(Protocol):
+    """What ``load_run`` builds a run's architecture with: a module class such as ``Qwen35ForCausalLM``
+    or ``ClausePRM`` (``module(config, rngs=..., mesh=..., rules=...)``)."""
+
+    def __call__(self, config: Qwen35Config, *, rngs: nnx.Rngs, mesh: Any, rules: Any) -> nnx.Module: ...
 
 
 def record(model_config: Qwen35Config, tokenizer_dir: str | pathlib.Path | None) -> dict[str, Any]:
@@ -90,7 +100,7 @@ class SavedRun(RunInfo):
 
     @property
     def model(self) -> nnx.Module:
-        """The module: ``ClausePRM`` for a PRM run, else ``Qwen35ForCausalLM``."""
+        """The module, as ``load_run``'s ``module`` built it."""
         return nnx.merge(self.graphdef, self.params)
 
 
@@ -196,49 +206,44 @@ def read_run(path: str | pathlib.Path, *, step: int = 0, trainers: Sequence[str]
 # -- loading
 
 
-def load_run(path: str | pathlib.Path, *, mesh, rules, what: str = "params", step: int = 0,
+def load_run(path: str | pathlib.Path, *, module: ModuleBuilder, mesh, rules, what: str = "params", step: int = 0,
              trainers: Sequence[str] | None = None, dtype: str | None = None, param_dtype: str | None = None,
              remat: str = "none") -> SavedRun:
     """A run's model restored onto ``mesh``: its description (``read_run``) plus params or full state.
 
-    ``dtype`` / ``param_dtype`` default to the run's own (stored parameters are cast to
-    ``param_dtype`` on read); ``remat`` defaults to none (inference).
+    ``module`` builds the run's recorded architecture (``Qwen35ForCausalLM`` for a policy run,
+    ``caper_jax.prm.model.ClausePRM`` for a PRM run): the caller, who knows what it loads, passes it,
+    so this module depends on no model above it; a module that does not fit the stored parameters is a
+    ``CheckpointError``. ``dtype`` / ``param_dtype`` default to the run's own (stored parameters are cast
+    to ``param_dtype`` on read); ``remat`` defaults to none (inference).
     """
-    from caper_jax.models import Qwen35ForCausalLM
-    from caper_jax.parallel import rules as rules_lib
-    from caper_jax.prm.model import ClausePRM
-
     if what not in ("params", "state"):
         raise ValueError(f"what={what!r}; expected 'params' or 'state'")
     info = read_run(path, step=step, trainers=trainers)
     arch = info.model_config.replace(dtype=dtype or info.model_config.dtype,
                                      param_dtype=param_dtype or info.model_config.param_dtype, remat=remat)
-    module = ClausePRM if info.trainer == "prm" else Qwen35ForCausalLM
     graphdef, abstract = rules_lib.abstract_state(lambda: module(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules),
                                                   mesh, rules)
     fields = {**{f.name: getattr(info, f.name) for f in dataclasses.fields(RunInfo)}, "model_config": arch}
     if what == "params":
-        return SavedRun(**fields, graphdef=graphdef, params=_restore_params(info.step_dir, abstract))
+        return SavedRun(**fields, graphdef=graphdef, params=_restore_params(info.step_dir, abstract, module))
     state = _restore_state(info, abstract, mesh, rules)
     return SavedRun(**fields, graphdef=graphdef, params=state.params, state=state)
 
 
-def _restore_params(step_dir: pathlib.Path, abstract_params: nnx.State) -> nnx.State:
+def _restore_params(step_dir: pathlib.Path, abstract_params: nnx.State, module: ModuleBuilder) -> nnx.State:
     """Reads only ``state.params`` of a checkpoint onto the shardings carried by ``abstract_params``."""
     try:
         restored = ckpt_lib.restore_state_item(step_dir, {"params": abstract_params}, partial=True)
-    except ValueError as error:  # shape/structure mismatch: the record does not describe these params
-        raise CheckpointError(f"{step_dir}: stored parameters do not fit the model of its config: {error}") from error
+    except ValueError as error:  # shape/structure mismatch: a wrong record, or a module of another kind of run
+        name = getattr(module, "__name__", module)
+        raise CheckpointError(f"{step_dir}: stored parameters do not fit the {name} built from its record: "
+                              f"{error}") from error
     return restored["params"]
 
 
 def _restore_state(info: RunInfo, abstract_params: nnx.State, mesh, rules):
     """The whole TrainState of a trainer checkpoint (optimizer rebuilt from the stored ``optim``)."""
-    from ml_collections import ConfigDict
-
-    from caper_jax.parallel import rules as rules_lib
-    from caper_jax.utils import optim as optim_lib
-
     if "optim" not in info.config:
         raise CheckpointError(f"{info.step_dir} holds parameters only (written by "
                               f"{_TRAINER_NAMES.get(info.trainer, info.trainer)}), no optimizer state")

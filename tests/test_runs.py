@@ -22,6 +22,7 @@ from caper_jax.models import Qwen35ForCausalLM, from_hf
 from caper_jax.models.presets import model_preset
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel.rules import DEFAULT_RULES
+from caper_jax.prm.model import ClausePRM
 from caper_jax.utils.errors import CheckpointError
 from caper_jax.utils.optim import init_state, make_optimizer
 from tests.helpers import build_hf_model, run_command
@@ -75,16 +76,18 @@ def _assert_trees_equal(a, b):
 
 def test_a_saved_run_round_trips_params_and_full_state(sft_run, mesh):
     workdir, state, arch = sft_run
-    run = runs.load_run(workdir, mesh=mesh, rules=RULES, trainers=runs.POLICY_TRAINERS)
+    run = runs.load_run(workdir, module=Qwen35ForCausalLM, mesh=mesh, rules=RULES, trainers=runs.POLICY_TRAINERS)
     assert run.step == 4 and run.trainer == "sft" and run.state is None
     assert run.model_config == arch and run.tokenizer_dir == workdir.parent / "tok"
     assert isinstance(run.model, Qwen35ForCausalLM) and run.model.config.vocab_size == VOCAB
     _assert_trees_equal(nnx.state(run.model), state.params)
-    full = runs.load_run(workdir / "checkpoints", mesh=mesh, rules=RULES, what="state", step=4)
+    full = runs.load_run(workdir / "checkpoints", module=Qwen35ForCausalLM, mesh=mesh, rules=RULES, what="state",
+                         step=4)
     assert int(full.state.step) == 1
     _assert_trees_equal(full.state, state)
     # The run-time fields are the reader's; the architecture is the record's.
-    bf16 = runs.load_run(workdir, mesh=mesh, rules=RULES, dtype="bfloat16", remat="full")
+    bf16 = runs.load_run(workdir, module=Qwen35ForCausalLM, mesh=mesh, rules=RULES, dtype="bfloat16",
+                         remat="full")
     assert bf16.model_config == arch.replace(dtype="bfloat16", remat="full")
 
 
@@ -92,9 +95,10 @@ def test_a_run_given_by_a_relative_path_loads(sft_run, mesh, monkeypatch):
     """The documented commands pass workdirs relative to the repo (runs/sft_demo); orbax wants absolute paths."""
     workdir, state, _ = sft_run
     monkeypatch.chdir(workdir.parent)
-    run = runs.load_run(workdir.name, mesh=mesh, rules=RULES, trainers=runs.POLICY_TRAINERS)
+    run = runs.load_run(workdir.name, module=Qwen35ForCausalLM, mesh=mesh, rules=RULES,
+                        trainers=runs.POLICY_TRAINERS)
     _assert_trees_equal(nnx.state(run.model), state.params)
-    full = runs.load_run(workdir.name, mesh=mesh, rules=RULES, what="state")
+    full = runs.load_run(workdir.name, module=Qwen35ForCausalLM, mesh=mesh, rules=RULES, what="state")
     _assert_trees_equal(full.state, state)
 
 
@@ -123,13 +127,14 @@ def test_partial_corrupt_and_mismatched_runs_are_one_clear_error(sft_run, mesh, 
     cases = [(partial, {}, "no whole checkpoint"),
              (corrupt, {}, "no whole checkpoint"),
              (mismatched, {}, "stored parameters do not fit"),
+             (workdir, {"module": ClausePRM}, "stored parameters do not fit"),   # the caller's module, not the run's
              (workdir, {"trainers": ("prm",)}, "'sft' trainer, not Clause-PRM"),
              (workdir, {"step": 9}, "has no step 9"),
              (tmp_path / "absent", {}, "does not exist"),
              (old_convert, {}, "older `convert hf-to-orbax`")]
     for path, kwargs, message in cases:
         with pytest.raises(CheckpointError, match=message):
-            runs.load_run(path, mesh=mesh, rules=RULES, **kwargs)
+            runs.load_run(path, **{"module": Qwen35ForCausalLM, **kwargs}, mesh=mesh, rules=RULES)
     assert issubclass(CheckpointError, ValueError)
 
 
@@ -144,12 +149,12 @@ def converted(tmp_path_factory):
 
 def test_converted_hf_model_is_a_run(converted, mesh):
     hf_dir, out = converted
-    run = runs.load_run(out, mesh=mesh, rules=RULES, trainers=runs.POLICY_TRAINERS)
+    run = runs.load_run(out, module=Qwen35ForCausalLM, mesh=mesh, rules=RULES, trainers=runs.POLICY_TRAINERS)
     reference, config = from_hf(hf_dir)
     assert run.trainer == runs.CONVERTED and run.model_config == config
     _assert_trees_equal(nnx.state(run.model), nnx.state(reference))
     with pytest.raises(CheckpointError, match="parameters only"):
-        runs.load_run(out, mesh=mesh, rules=RULES, what="state")
+        runs.load_run(out, module=Qwen35ForCausalLM, mesh=mesh, rules=RULES, what="state")
 
 
 def test_a_trainer_starts_from_a_converted_model(converted, mesh):
@@ -258,7 +263,7 @@ def test_upgrade_records_a_run_saved_before_the_record(sft_run, mesh, tmp_path):
     assert (status, err) == (0, "")
     assert out == f"{step_dir}: run record written (vocabulary {VOCAB}, tokenizer {tokenizer_dir})\n"
     assert ckpt_lib.verify(step_dir) is None
-    run = runs.load_run(legacy, mesh=mesh, rules=RULES, trainers=runs.POLICY_TRAINERS)
+    run = runs.load_run(legacy, module=Qwen35ForCausalLM, mesh=mesh, rules=RULES, trainers=runs.POLICY_TRAINERS)
     assert run.model_config == arch and run.tokenizer_dir == tokenizer_dir
     _assert_trees_equal(nnx.state(run.model), state.params)
     sealed = _files(step_dir)

@@ -23,6 +23,7 @@ from flax import nnx
 from caper_jax import loop, runs
 from caper_jax.data import prm_pipeline as pipe_lib
 from caper_jax.data.world import DataWorld, prepare_world
+from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
 from caper_jax.prm import heldout
@@ -158,8 +159,8 @@ def build_model(config, vocab_size: int, mesh, rules) -> ClausePRM:
 
         # The newest whole checkpoint's params, read onto their shardings.
         try:
-            run = runs.load_run(config.model.init_from, mesh=mesh, rules=rules, trainers=runs.POLICY_TRAINERS,
-                                dtype=config.model.dtype)
+            run = runs.load_run(config.model.init_from, module=Qwen35ForCausalLM, mesh=mesh, rules=rules,
+                                trainers=runs.POLICY_TRAINERS, dtype=config.model.dtype)
         except CheckpointError as error:
             raise CheckpointError(f"model.init_from={config.model.init_from!r}: {error}") from error
         check_init_from(config, run, vocab_size)

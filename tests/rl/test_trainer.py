@@ -196,20 +196,20 @@ def test_the_frozen_prm_is_read_from_a_whole_checkpoint_only(world, prm_run, tmp
 
     vocab = len(world[1])
     mesh, rules = make_mesh(), tuple(tuple(r) for r in DEFAULT_RULES)
-    run = runs.load_run(prm_run, mesh=mesh, rules=rules, trainers=("prm",))
+    run = runs.load_run(prm_run, module=ClausePRM, mesh=mesh, rules=rules, trainers=("prm",))
     saved = nnx.state(ClausePRM(model_preset("tiny", vocab_size=vocab), rngs=nnx.Rngs(3)))
     assert run.step == 7 and run.model_config.vocab_size == vocab
     jax.tree.map(np.testing.assert_array_equal, nnx.state(run.model), saved)
     with pytest.raises(CheckpointError, match="has no step 5"):
-        runs.load_run(prm_run, mesh=mesh, rules=rules, step=5)
+        runs.load_run(prm_run, module=ClausePRM, mesh=mesh, rules=rules, step=5)
     damaged = tmp_path / "damaged"
     shutil.copytree(prm_run, damaged)
     (damaged / "checkpoints" / "7" / "caper_manifest.json").unlink()      # as a save killed mid-write
     for step in (0, 7):
         with pytest.raises(CheckpointError):
-            runs.load_run(damaged, mesh=mesh, rules=rules, step=step)
+            runs.load_run(damaged, module=ClausePRM, mesh=mesh, rules=rules, step=step)
     with pytest.raises(CheckpointError):
-        runs.load_run(tmp_path / "nothing", mesh=mesh, rules=rules)
+        runs.load_run(tmp_path / "nothing", module=ClausePRM, mesh=mesh, rules=rules)
 
 
 def test_config_accepts_exactly_the_registered_reward_variants():
