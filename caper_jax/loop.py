@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from caper_jax import checkpoint as ckpt_lib
-from caper_jax.data import world as world_lib
+from caper_jax.data import data_world
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
@@ -45,7 +45,7 @@ def check_config(config, *, positive: tuple[str, ...]) -> None:
     from caper_jax.models.config import REMAT_POLICIES
     from caper_jax.models.presets import PRESETS
 
-    world_lib.check_data_config(config)   # data.kind; Spider data needs its folder and a tokenizer
+    data_world.check_data_config(config)   # data.kind; Spider data needs its folder and a tokenizer
     # An HF directory brings its own architecture; the preset then only names the dry run's shapes
     # (check_dry_run refuses an unknown one there).
     if config.model.preset not in PRESETS and not config.model.hf_dir:

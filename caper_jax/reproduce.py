@@ -116,7 +116,7 @@ def check_pick_held_back(config: ConfigDict) -> None:
 def validate(config: ConfigDict) -> None:
     if config.get("pipeline", "miniature") == "spider_verifier":
         return validate_verifier(config)
-    from caper_jax.eval.config import validate_eval_config
+    from caper_jax.eval.validate import validate_eval_config
     from caper_jax.prm import trainer as prm_trainer
     from caper_jax.rl import trainer as rl_trainer
     from caper_jax.sft import trainer as sft_trainer
@@ -242,7 +242,7 @@ def pick_stage(clock: StageClock, config: ConfigDict, data_dir: pathlib.Path, tr
 
 def prepare_data(config: ConfigDict, out: pathlib.Path) -> tuple[pathlib.Path, str]:
     """(Spider-layout data dir, tokenizer dir): the demo world built under ``out/world``, or data.dir."""
-    from caper_jax.data.world import prepare_world
+    from caper_jax.data.data_world import prepare_world
 
     if config.data.kind == "spider":
         return pathlib.Path(config.data.dir), config.sft.model.tokenizer_dir or config.sft.model.hf_dir
@@ -954,7 +954,7 @@ def run_verifier(config: ConfigDict, workdir: str) -> dict:
 
 def verify_systems(config: ConfigDict, view: pathlib.Path, candidates: list[dict], out: pathlib.Path) -> dict:
     """EX of each system alone (``evaluate ex``) and of the pool: first, MV@n, every PRM reranker, oracle@n."""
-    from caper_jax.eval import verify
+    from caper_jax.eval import verifier
     from caper_jax.eval.ex import evaluate_ex
 
     pool = out / "systems_candidates.jsonl"
@@ -968,7 +968,7 @@ def verify_systems(config: ConfigDict, view: pathlib.Path, candidates: list[dict
     mesh, rules = loop.mesh_and_rules(config.eval)
     scorer = prm_scorer(config, out / "prm", mesh, rules)
     with jax.set_mesh(mesh):
-        summary = verify.rerank(scorer, view, "dev", pool, aggregate="min", semantics=config.verify.semantics,
+        summary = verifier.rerank(scorer, view, "dev", pool, aggregate="min", semantics=config.verify.semantics,
                                 output=out / "verify_choices.jsonl", report=lambda message: log.info("%s", message))
     return {"alone": alone, "pool": summary}
 

@@ -6,7 +6,7 @@ item (``TrainState``, or ``{"params"}`` alone for a conversion), the ``config`` 
 config; ``{"trainer": "convert", ...}`` for a conversion) and the ``run`` item (``record``): the
 RESOLVED architecture — every ``Qwen35Config`` field after preset, HF config.json and overrides,
 vocabulary size included — and the directory the run's tokenizer came from
-(``caper_jax.data.world.DataWorld.tokenizer_dir``). Readers rebuild the model from that record, so
+(``caper_jax.data.data_world.DataWorld.tokenizer_dir``). Readers rebuild the model from that record, so
 no reader re-derives the architecture from the trainer config by its own rule.
 
 Runs of an older layout (saved before the record, or a recorded tokenizer directory that is gone:

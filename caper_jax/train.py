@@ -107,7 +107,7 @@ def main(argv: list[str]) -> None:
     if problem:
         cli.usage_error(problem)
     from caper_jax.data.spider import DataError
-    from caper_jax.data.world import WorldError
+    from caper_jax.data.data_world import WorldError
     from caper_jax.utils.errors import CheckpointError, NonFiniteLossError, Preempted
 
     try:

@@ -22,7 +22,7 @@ from flax import nnx
 
 from caper_jax import loop, runs
 from caper_jax.data import prm_pipeline as pipe_lib
-from caper_jax.data.world import DataWorld, prepare_world
+from caper_jax.data.data_world import DataWorld, prepare_world
 from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib

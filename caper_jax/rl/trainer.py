@@ -167,7 +167,7 @@ def reward_config(config) -> rollout_lib.RewardConfig:
 
 def run(config, workdir: str) -> dict:
     from caper_jax.sql.contract import policy_prompt
-    from caper_jax.data.world import prepare_world
+    from caper_jax.data.data_world import prepare_world
     from caper_jax.sql.execution import Executors
 
     check_runs(config)   # before the workdir and the world are made

@@ -75,7 +75,7 @@ def validate(config) -> None:
 
 
 def run(config, workdir: str) -> dict:
-    from caper_jax.data.world import prepare_world
+    from caper_jax.data.data_world import prepare_world
     from caper_jax.policy.rollout import held_out_ex
     from caper_jax.sql.execution import Executors
 

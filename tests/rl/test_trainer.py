@@ -122,7 +122,7 @@ def test_unequal_rewards_move_params_towards_the_better_completion(update_setup)
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from caper_jax.data.world import prepare_world
+    from caper_jax.data.data_world import prepare_world
 
     config = grpo_config()
     config.data.update(SMALL_WORLD, dir=str(tmp_path_factory.mktemp("world")))
