@@ -35,7 +35,9 @@ from absl import app, flags
 
 from caper_jax import checkpoint as ckpt_lib
 from caper_jax import runs
+from caper_jax.models import hf_io
 from caper_jax.models.config import Qwen35Config
+from caper_jax.models.presets import PRESETS, model_preset
 from caper_jax.utils import cli
 from caper_jax.utils.errors import CheckpointError
 
@@ -62,9 +64,6 @@ def _stored_param_shapes(step_dir: pathlib.Path) -> dict[str, tuple[int, ...]]:
 
 def derived_model(config: dict[str, Any], step_dir: pathlib.Path) -> Qwen35Config:
     """The architecture of a run saved without the record (module docstring)."""
-    from caper_jax.models import hf_io
-    from caper_jax.models.presets import PRESETS, model_preset
-
     model = config.get("model", {})
     runtime = dict(dtype=model.get("dtype", "float32"), param_dtype=model.get("param_dtype", "float32"))
     hf_dir = model.get("hf_dir") or config.get("policy", {}).get("hf_dir")
