@@ -116,6 +116,49 @@ def verify(step_dir: Path) -> str | None:
     return None
 
 
+# -- reading one saved step outside a Checkpointer (caper_jax.runs: a run read by another program)
+
+
+def read_json_item(step_dir: Path, item: str) -> dict[str, Any] | None:
+    """A JSON item (``config``, ``run``) of a saved step as orbax's ``JsonSave`` wrote it; None if absent."""
+    path = step_dir / item / "metadata"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def stored_state_tree(step_dir: Path) -> Any:
+    """The ``state`` item's tree of array metadata (each leaf has ``.shape``); no array is read."""
+    # The item's handler, not a Checkpointer: a Checkpointer looks for step-level metadata inside
+    # the item directory and logs a warning when it (rightly) is not there.
+    metadata = ocp.PyTreeCheckpointHandler().metadata(step_dir / "state")
+    return getattr(metadata, "tree", metadata)
+
+
+def restore_state_item(step_dir: Path, abstract: Any, *, partial: bool = False) -> Any:
+    """The ``state`` item of one step, read onto the shardings carried by ``abstract`` (a tree of
+    ``jax.ShapeDtypeStruct``). ``partial``: only the subtrees ``abstract`` names are read (``{"params":
+    ...}``: inference never reads the optimizer moments, twice the parameters' size). A stored tree that
+    does not fit ``abstract`` raises a ``ValueError``; the caller names what did not fit."""
+    if partial:
+        handler = ocp.PyTreeCheckpointHandler()
+        args = ocp.args.PyTreeRestore(item=abstract, partial_restore=True,
+                                      restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
+    else:
+        handler = ocp.StandardCheckpointHandler()
+        args = ocp.args.StandardRestore(abstract)
+    try:
+        restored = handler.restore(step_dir / "state", args=args)
+    finally:
+        handler.close()
+    if partial:
+        # A partial restore hands back, unread and without a word, every requested array the step does
+        # not hold (measured: a ClausePRM target on a causal LM's step came back all ShapeDtypeStructs).
+        unread = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]
+                  if isinstance(leaf, jax.ShapeDtypeStruct)]
+        if unread:
+            raise ValueError(f"{len(unread)} requested arrays are not in the checkpoint (first: {unread[:3]})")
+    return restored
+
+
 def _jsonable(config: Any) -> dict[str, Any]:
     if hasattr(config, "to_dict"):  # ml_collections.ConfigDict
         config = config.to_dict()

@@ -85,7 +85,7 @@ def load_run_model(ckpt: str | pathlib.Path) -> tuple[Qwen35ForCausalLM, Qwen35C
     from caper_jax.parallel.rules import DEFAULT_RULES
 
     mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
-    run = runs.load_run(ckpt, mesh=mesh, rules=tuple(tuple(r) for r in DEFAULT_RULES),
+    run = runs.load_run(ckpt, module=Qwen35ForCausalLM, mesh=mesh, rules=tuple(tuple(r) for r in DEFAULT_RULES),
                         trainers=runs.POLICY_TRAINERS)
     return run.model, run.model_config
 

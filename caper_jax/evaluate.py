@@ -12,7 +12,7 @@
         Clause-PRM best-of-k (min / mean / last) of an SFT/GRPO checkpoint or HF directory;
         writes results.json, results.md and predictions.jsonl to OUT and prints the metrics as the
         last stdout line. Config values are checked before anything is loaded
-        (caper_jax/eval/config.py).
+        (caper_jax/eval/validate.py).
 
 A flag that is unknown, mistyped, of the wrong type, or not read by the command given is one error
 line and exit status 2, before any work.
@@ -88,7 +88,7 @@ def run_ex(flag_values: flags.FlagValues) -> int:
 
 
 def run_policy(flag_values: flags.FlagValues) -> int:
-    from caper_jax.eval.config import validate_eval_config
+    from caper_jax.eval.validate import validate_eval_config
 
     config = flag_values.config
     if (problem := cli.config_load_error(config)) is not None:

@@ -1,8 +1,8 @@
 """The run loop the three trainers share (Clause-PRM, SFT, GRPO): everything around their step.
 
-Learnt from levanter's Trainer with hooks. ``Run`` holds what every run has: the workdir, the main
+Learnt from levanter's Trainer with hooks. ``TrainingRun`` holds what every run has: the workdir, the main
 process flag, the mesh and sharding rules, the metric writer, the checkpointer with resume (state and
-data iterator), the wall-clock start. ``Run.train`` steps, logs every ``log_every`` steps (means of
+data iterator), the wall-clock start. ``TrainingRun.train`` steps, logs every ``log_every`` steps (means of
 the train metrics, learning rate, steps/s and ETA), evaluates every ``eval_every`` steps, stops with
 ``NonFiniteLossError`` after too many refused updates and checkpoints (always at the last step). A
 trainer keeps only what is its own: the model, the step, evaluation and its report.
@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from caper_jax import checkpoint as ckpt_lib
-from caper_jax.data import world as world_lib
+from caper_jax.data import data_world
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
@@ -45,7 +45,7 @@ def check_config(config, *, positive: tuple[str, ...]) -> None:
     from caper_jax.models.config import REMAT_POLICIES
     from caper_jax.models.presets import PRESETS
 
-    world_lib.check_data_config(config)   # data.kind; Spider data needs its folder and a tokenizer
+    data_world.check_data_config(config)   # data.kind; Spider data needs its folder and a tokenizer
     # An HF directory brings its own architecture; the preset then only names the dry run's shapes
     # (check_dry_run refuses an unknown one there).
     if config.model.preset not in PRESETS and not config.model.hf_dir:
@@ -153,8 +153,8 @@ def train_means(fetched: list[dict]) -> dict[str, float]:
 
 
 @dataclasses.dataclass
-class Run:
-    """One trainer run in ``workdir``: start with ``Run.start``, then ``use_mesh``, ``resume``,
+class TrainingRun:
+    """One trainer run in ``workdir``: start with ``TrainingRun.start``, then ``use_mesh``, ``resume``,
     ``train`` and ``finish``."""
 
     config: Any
@@ -169,7 +169,7 @@ class Run:
     run_record: dict | None = None     # caper_jax.runs.record, saved with every checkpoint
 
     @classmethod
-    def start(cls, config, workdir: str | pathlib.Path) -> Run:
+    def start(cls, config, workdir: str | pathlib.Path) -> TrainingRun:
         started = time.perf_counter()
         multihost.initialize()
         workdir = pathlib.Path(workdir)
@@ -277,11 +277,11 @@ class Run:
             plot_curves(read_metrics(self.workdir / "metrics.jsonl"), curves, self.workdir / png, title=title)
 
 
-def finish_policy_run(run: Run, results: dict, rows: list[dict], policy, tokenizer, *, curves: list[str],
+def finish_policy_run(run: TrainingRun, results: dict, rows: list[dict], policy, tokenizer, *, curves: list[str],
                       png: str, title: str) -> None:
     """The end of an SFT or GRPO run: eval metrics, curves, HF export, predictions, then results.json.
 
-    results.json comes last: it marks the run done (``caper_jax.reproduce.done``), so a run stopped
+    results.json comes last: it marks the run done (``caper_jax.experiments.stages.completion``), so a run stopped
     during the export is not taken for a finished one."""
     run.finish({k: v for k, v in results.items() if k.startswith("eval/")} if "eval/n" in results else None,
                curves=curves, png=png, title=title)

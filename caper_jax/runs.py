@@ -6,19 +6,16 @@ item (``TrainState``, or ``{"params"}`` alone for a conversion), the ``config`` 
 config; ``{"trainer": "convert", ...}`` for a conversion) and the ``run`` item (``record``): the
 RESOLVED architecture — every ``Qwen35Config`` field after preset, HF config.json and overrides,
 vocabulary size included — and the directory the run's tokenizer came from
-(``caper_jax.data.world.DataWorld.tokenizer_dir``). Readers rebuild the model from that record, so
+(``caper_jax.data.data_world.DataWorld.tokenizer_dir``). Readers rebuild the model from that record, so
 no reader re-derives the architecture from the trainer config by its own rule.
 
-Runs written before the record existed still load: their architecture is re-derived the way every
-reader did it before (``model.hf_dir`` / ``policy.hf_dir`` config.json, the parent SFT run of a GRPO
-run, else ``model.preset`` with the vocabulary read from the stored embedding), and their tokenizer
-is looked up in ``model.tokenizer_dir``, the demo world's ``tokenizer/``, ``model.hf_dir``,
-``hf_export/`` in that order — as is the tokenizer of a recorded run whose recorded directory is
-gone (a workdir copied to another machine with its demo world inside).
+Runs of an older layout (saved before the record, or a recorded tokenizer directory that is gone:
+a workdir copied to another machine) are converted once by ``python -m caper_jax.upgrade_run WORKDIR``;
+reading one unconverted is a ``CheckpointError`` that names that command.
 
 ``load_run`` picks the step the way training resumes: the newest one whose integrity manifest
 verifies (``caper_jax.checkpoint.verify``; a damaged newer step is skipped with a warning), or
-exactly the requested one. With ``what="params"`` only ``state.params`` is read (orbax partial
+exactly the requested one. With ``what="params"`` only ``state.params`` is read (a partial
 restore, straight onto the target shardings): inference never needs the optimizer moments, which
 are twice the parameters' size. ``what="state"`` restores the whole ``TrainState`` (optimizer from
 the stored ``optim`` config). Every way a run can be missing, partial or not fit what is asked of it
@@ -27,19 +24,20 @@ raises ``CheckpointError`` with the path and the reason.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import pathlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
+from ml_collections import ConfigDict
 
 from caper_jax import checkpoint as ckpt_lib
 from caper_jax.checkpoint import RUN_ITEM
 from caper_jax.models.config import Qwen35Config
+from caper_jax.parallel import rules as rules_lib
+from caper_jax.utils import optim as optim_lib
 from caper_jax.utils.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -47,7 +45,15 @@ log = logging.getLogger(__name__)
 RUN_FORMAT = 1
 CONVERTED = "convert"       # the ``trainer`` of a converted HF model's config
 POLICY_TRAINERS = ("sft", "grpo", CONVERTED)   # runs whose model is a causal LM (a policy)
+UPGRADE_COMMAND = "python -m caper_jax.upgrade_run"   # converts a run of an older layout (caper_jax/upgrade_run.py)
 _TRAINER_NAMES = {"sft": "SFT", "grpo": "GRPO", "prm": "Clause-PRM", CONVERTED: "convert hf-to-orbax"}
+
+
+class ModuleBuilder(Protocol):
+    """What ``load_run`` builds a run's architecture with: a module class such as ``Qwen35ForCausalLM``
+    or ``ClausePRM`` (``module(config, rngs=..., mesh=..., rules=...)``)."""
+
+    def __call__(self, config: Qwen35Config, *, rngs: nnx.Rngs, mesh: Any, rules: Any) -> nnx.Module: ...
 
 
 def record(model_config: Qwen35Config, tokenizer_dir: str | pathlib.Path | None) -> dict[str, Any]:
@@ -66,7 +72,6 @@ class RunInfo:
     config: dict[str, Any]            # the trainer config stored with the checkpoint
     model_config: Qwen35Config        # the architecture, with the run-time fields it trained with
     tokenizer_dir: pathlib.Path | None
-    recorded: bool                    # False: a run from before the record (legacy rules)
 
     @property
     def trainer(self) -> str | None:
@@ -76,13 +81,17 @@ class RunInfo:
         """The run's tokenizer (``AutoTokenizer`` of ``tokenizer_dir``)."""
         from transformers import AutoTokenizer
 
-        if self.tokenizer_dir is None or not (self.tokenizer_dir / "tokenizer_config.json").is_file():
-            raise CheckpointError(f"{self.step_dir}: no tokenizer found (recorded: {self.tokenizer_dir})")
+        if self.tokenizer_dir is None:
+            raise CheckpointError(f"{self.step_dir}: the run records no tokenizer")
+        if not (self.tokenizer_dir / "tokenizer_config.json").is_file():
+            raise CheckpointError(f"{self.step_dir}: no tokenizer in the recorded {self.tokenizer_dir} (a workdir "
+                                  f"copied from another machine? {UPGRADE_COMMAND} {self.workdir} finds the one "
+                                  "it holds)")
         return AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
 
 
 @dataclasses.dataclass(frozen=True)
-class Run(RunInfo):
+class SavedRun(RunInfo):
     """A loaded run: its description plus parameters (and, for ``what="state"``, the full TrainState)."""
 
     graphdef: Any = None
@@ -91,7 +100,7 @@ class Run(RunInfo):
 
     @property
     def model(self) -> nnx.Module:
-        """The module: ``ClausePRM`` for a PRM run, else ``Qwen35ForCausalLM``."""
+        """The module, as ``load_run``'s ``module`` built it."""
         return nnx.merge(self.graphdef, self.params)
 
 
@@ -120,7 +129,8 @@ def checkpoints_dir(path: str | pathlib.Path) -> pathlib.Path:
         return path
     if (path / "params").is_dir() and (path / "config.json").is_file():
         raise CheckpointError(f"{path} was written by an older `convert hf-to-orbax` (params/ + config.json); "
-                              "convert the HF directory again")
+                              "convert the HF directory again: python -m caper_jax.convert hf-to-orbax --hf_dir "
+                              "HF_DIR --out OUT")
     raise CheckpointError(f"{path} is neither a trainer workdir (no checkpoints/) nor a checkpoints directory")
 
 
@@ -147,36 +157,12 @@ def _step_dir(path: str | pathlib.Path, step: int) -> pathlib.Path:
     return step_dir
 
 
-def _json_item(step_dir: pathlib.Path, item: str) -> dict[str, Any] | None:
-    path = step_dir / item / "metadata"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def stored_config(step_dir: pathlib.Path) -> dict[str, Any]:
     """The trainer config saved with a checkpoint (the ``config`` item, JSON)."""
-    config = _json_item(step_dir, "config")
+    config = ckpt_lib.read_json_item(step_dir, "config")
     if config is None:
         raise CheckpointError(f"{step_dir} holds no trainer config (was it written by caper_jax.checkpoint?)")
     return config
-
-
-def stored_param_shapes(step_dir: pathlib.Path) -> dict[str, tuple[int, ...]]:
-    """'/'-joined parameter path -> stored shape (from orbax metadata; no array is read)."""
-    # The item's handler, not a Checkpointer: a Checkpointer looks for step-level metadata inside
-    # the item directory and logs a warning when it (rightly) is not there.
-    metadata = ocp.PyTreeCheckpointHandler().metadata(step_dir / "state")
-    tree = getattr(metadata, "tree", metadata)
-    flat = {}
-
-    def walk(node: Any, prefix: tuple[str, ...]) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                walk(value, prefix + (str(key),))
-        else:
-            flat["/".join(p for p in prefix if p != "value")] = tuple(node.shape)
-
-    walk(tree.get("params", {}), ())
-    return flat
 
 
 # -- the run's architecture and tokenizer
@@ -186,49 +172,10 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def _recorded_model(fields: dict[str, Any]) -> Qwen35Config:
+def recorded_model(fields: dict[str, Any]) -> Qwen35Config:
+    """The ``Qwen35Config`` of a record's ``model`` fields."""
     # JSON gives every tuple field back as a list; the config must stay hashable (graphdef, jit keys).
     return Qwen35Config(**{name: _tuples(value) for name, value in fields.items()})
-
-
-def _legacy_model(config: dict[str, Any], step_dir: pathlib.Path) -> Qwen35Config:
-    """The architecture of a run saved without the record, by the rules its readers used then."""
-    from caper_jax.models import hf_io
-    from caper_jax.models.presets import PRESETS, model_preset
-
-    model = config.get("model", {})
-    runtime = dict(dtype=model.get("dtype", "float32"), param_dtype=model.get("param_dtype", "float32"))
-    hf_dir = model.get("hf_dir") or config.get("policy", {}).get("hf_dir")
-    if hf_dir:
-        if not pathlib.Path(hf_dir, "config.json").is_file():
-            raise CheckpointError(f"{step_dir}: the run was initialised from {hf_dir}, whose config.json (the "
-                                  "architecture) is not there")
-        return hf_io.read_config(hf_dir, **runtime)
-    sft_workdir = config.get("policy", {}).get("sft_workdir")
-    if sft_workdir:  # GRPO started from an SFT run: that run's config names an HF architecture
-        parent_step = latest_whole_step(checkpoints_dir(sft_workdir))
-        parent = stored_config(parent_step)
-        if parent.get("model", {}).get("hf_dir"):
-            return _legacy_model(parent, parent_step).replace(**runtime)
-    shapes = stored_param_shapes(step_dir)
-    embed = shapes.get("embed_tokens") or shapes.get("backbone/embed_tokens") or (None,)
-    if model.get("preset") not in PRESETS:
-        raise CheckpointError(f"{step_dir}: saved without the architecture record, and its config names no known "
-                              f"model.preset ({model.get('preset')!r}; known: {PRESETS})")
-    return model_preset(model["preset"], vocab_size=embed[0], **runtime)
-
-
-def _legacy_tokenizer_dir(config: dict[str, Any], workdir: pathlib.Path) -> pathlib.Path | None:
-    """Where the trainer of a run saved without the record found its tokenizer (module docstring)."""
-    model, data = config.get("model", {}), config.get("data", {})
-    candidates = [model.get("tokenizer_dir")]
-    if data.get("kind") == "demo":
-        candidates.append(str(pathlib.Path(data.get("dir") or workdir / "demo_world") / "tokenizer"))
-    candidates += [model.get("hf_dir"), str(workdir / "hf_export")]
-    for candidate in candidates:
-        if candidate and (pathlib.Path(candidate) / "tokenizer_config.json").is_file():
-            return pathlib.Path(candidate)
-    return None
 
 
 def read_run(path: str | pathlib.Path, *, step: int = 0, trainers: Sequence[str] | None = None) -> RunInfo:
@@ -242,74 +189,61 @@ def read_run(path: str | pathlib.Path, *, step: int = 0, trainers: Sequence[str]
         wanted = "/".join(_TRAINER_NAMES.get(t, t) for t in trainers)
         raise CheckpointError(f"{step_dir} was written by the {config.get('trainer')!r} trainer, not {wanted}")
     workdir = step_dir.parent.parent
-    run_item = _json_item(step_dir, RUN_ITEM)
+    run_item = ckpt_lib.read_json_item(step_dir, RUN_ITEM)
     if run_item is None:
-        return RunInfo(workdir, step_dir, int(step_dir.name), config, _legacy_model(config, step_dir),
-                       _legacy_tokenizer_dir(config, workdir), recorded=False)
+        raise CheckpointError(f"{step_dir} was saved before the run record (architecture and tokenizer) existed; "
+                              f"convert the run once: {UPGRADE_COMMAND} {workdir}")
     if run_item.get("format") != RUN_FORMAT:
         raise CheckpointError(f"{step_dir}/{RUN_ITEM}: format {run_item.get('format')!r}, this code reads {RUN_FORMAT}")
     try:
-        model_config = _recorded_model(run_item["model"])
+        model_config = recorded_model(run_item["model"])
     except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(f"{step_dir}/{RUN_ITEM}: not a model config this code can build: {error}") from error
     tokenizer = pathlib.Path(run_item["tokenizer"]) if run_item.get("tokenizer") else None
-    if tokenizer is None or not tokenizer.is_dir():   # a run copied away from its tokenizer: the old rule
-        tokenizer = _legacy_tokenizer_dir(config, workdir) or tokenizer
-    return RunInfo(workdir, step_dir, int(step_dir.name), config, model_config, tokenizer, recorded=True)
+    return RunInfo(workdir, step_dir, int(step_dir.name), config, model_config, tokenizer)
 
 
 # -- loading
 
 
-def load_run(path: str | pathlib.Path, *, mesh, rules, what: str = "params", step: int = 0,
+def load_run(path: str | pathlib.Path, *, module: ModuleBuilder, mesh, rules, what: str = "params", step: int = 0,
              trainers: Sequence[str] | None = None, dtype: str | None = None, param_dtype: str | None = None,
-             remat: str = "none") -> Run:
+             remat: str = "none") -> SavedRun:
     """A run's model restored onto ``mesh``: its description (``read_run``) plus params or full state.
 
-    ``dtype`` / ``param_dtype`` default to the run's own (stored parameters are cast to
-    ``param_dtype`` on read); ``remat`` defaults to none (inference).
+    ``module`` builds the run's recorded architecture (``Qwen35ForCausalLM`` for a policy run,
+    ``caper_jax.prm.model.ClausePRM`` for a PRM run): the caller, who knows what it loads, passes it,
+    so this module depends on no model above it; a module that does not fit the stored parameters is a
+    ``CheckpointError``. ``dtype`` / ``param_dtype`` default to the run's own (stored parameters are cast
+    to ``param_dtype`` on read); ``remat`` defaults to none (inference).
     """
-    from caper_jax.models import Qwen35ForCausalLM
-    from caper_jax.parallel import rules as rules_lib
-    from caper_jax.prm.model import ClausePRM
-
     if what not in ("params", "state"):
         raise ValueError(f"what={what!r}; expected 'params' or 'state'")
     info = read_run(path, step=step, trainers=trainers)
     arch = info.model_config.replace(dtype=dtype or info.model_config.dtype,
                                      param_dtype=param_dtype or info.model_config.param_dtype, remat=remat)
-    module = ClausePRM if info.trainer == "prm" else Qwen35ForCausalLM
     graphdef, abstract = rules_lib.abstract_state(lambda: module(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules),
                                                   mesh, rules)
     fields = {**{f.name: getattr(info, f.name) for f in dataclasses.fields(RunInfo)}, "model_config": arch}
     if what == "params":
-        return Run(**fields, graphdef=graphdef, params=_restore_params(info.step_dir, abstract))
+        return SavedRun(**fields, graphdef=graphdef, params=_restore_params(info.step_dir, abstract, module))
     state = _restore_state(info, abstract, mesh, rules)
-    return Run(**fields, graphdef=graphdef, params=state.params, state=state)
+    return SavedRun(**fields, graphdef=graphdef, params=state.params, state=state)
 
 
-def _restore_params(step_dir: pathlib.Path, abstract_params: nnx.State) -> nnx.State:
+def _restore_params(step_dir: pathlib.Path, abstract_params: nnx.State, module: ModuleBuilder) -> nnx.State:
     """Reads only ``state.params`` of a checkpoint onto the shardings carried by ``abstract_params``."""
-    target = {"params": abstract_params}
-    args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                  partial_restore=True)
-    handler = ocp.PyTreeCheckpointHandler()      # as in stored_param_shapes
     try:
-        restored = handler.restore(step_dir / "state", args=args)
-    except ValueError as error:  # shape/structure mismatch: the record does not describe these params
-        raise CheckpointError(f"{step_dir}: stored parameters do not fit the model of its config: {error}") from error
-    finally:
-        handler.close()
+        restored = ckpt_lib.restore_state_item(step_dir, {"params": abstract_params}, partial=True)
+    except ValueError as error:  # shape/structure mismatch: a wrong record, or a module of another kind of run
+        name = getattr(module, "__name__", module)
+        raise CheckpointError(f"{step_dir}: stored parameters do not fit the {name} built from its record: "
+                              f"{error}") from error
     return restored["params"]
 
 
 def _restore_state(info: RunInfo, abstract_params: nnx.State, mesh, rules):
     """The whole TrainState of a trainer checkpoint (optimizer rebuilt from the stored ``optim``)."""
-    from ml_collections import ConfigDict
-
-    from caper_jax.parallel import rules as rules_lib
-    from caper_jax.utils import optim as optim_lib
-
     if "optim" not in info.config:
         raise CheckpointError(f"{info.step_dir} holds parameters only (written by "
                               f"{_TRAINER_NAMES.get(info.trainer, info.trainer)}), no optimizer state")
@@ -317,10 +251,7 @@ def _restore_state(info: RunInfo, abstract_params: nnx.State, mesh, rules):
     state = jax.eval_shape(lambda p: optim_lib.init_state(p, tx), abstract_params)
     shardings = rules_lib.logical_to_sharding(state, mesh, rules)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
-    handler = ocp.StandardCheckpointHandler()
     try:
-        return handler.restore(info.step_dir / "state", args=ocp.args.StandardRestore(abstract))
+        return ckpt_lib.restore_state_item(info.step_dir, abstract)
     except ValueError as error:
         raise CheckpointError(f"{info.step_dir}: the stored train state does not fit its config: {error}") from error
-    finally:
-        handler.close()

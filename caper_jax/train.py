@@ -32,7 +32,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from caper_jax.data.spider import DataError
-from caper_jax.data.world import WorldError
+from caper_jax.data.data_world import WorldError
 from caper_jax.parallel import multihost
 from caper_jax.utils import atomic, cli
 from caper_jax.utils.errors import CheckpointError, NonFiniteLossError, Preempted

@@ -1,5 +1,5 @@
 """``python -m caper_jax.verify [rerank|localize]``: a trained Clause-PRM as a plug-and-play verifier
-for any system (absl flags, as caper_jax.train; the work is caper_jax/eval/verify.py's).
+for any system (absl flags, as caper_jax.train; the work is caper_jax/eval/verifier.py's).
 
     python -m caper_jax.verify [rerank] --prm CKPT --data DIR --candidates FILE.jsonl [--split dev]
         [--aggregate min|mean|last] [--semantics spider|spider_official|bird] [--output OUT.jsonl] [--batch_size 16]
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from caper_jax.data.spider import load_split
-from caper_jax.eval import verify as verify_lib
+from caper_jax.eval import verifier
 from caper_jax.eval.ex import DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, data_inputs
 from caper_jax.prm.aggregates import AGGREGATES
 from caper_jax.sql.semantics import SEMANTICS
@@ -83,13 +83,13 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> int:
             atomic.check_output(f.output, inputs=data_inputs(f.data, f.candidates))
         scorer = scoring.load_scorer(f.prm, batch_size=f.batch_size, max_len=f.max_len)
         if command == "localize":
-            rows, skipped = verify_lib.read_failures(f.data, f.split, f.predictions, timeout_s=f.timeout_s)
-            results = verify_lib.localization_report(scorer, rows, f.output_dir, skipped)
+            rows, skipped = verifier.read_failures(f.data, f.split, f.predictions, timeout_s=f.timeout_s)
+            results = verifier.localization_report(scorer, rows, f.output_dir, skipped)
             summary = {"n": results["n"], "skipped": skipped, "output_dir": str(f.output_dir),
                        **{f"{m}_top1": s["top1"] for m, s in results["localization"].items()},
                        **{f"{m}_mrr": s["mrr"] for m, s in results["localization"].items()}}
         else:
-            summary = verify_lib.rerank(scorer, f.data, f.split, f.candidates, aggregate=f.aggregate,
+            summary = verifier.rerank(scorer, f.data, f.split, f.candidates, aggregate=f.aggregate,
                                         semantics=f.semantics, output=f.output, timeout_s=f.timeout_s,
                                         max_rows=f.max_rows)
     except (FileNotFoundError, ValueError) as error:   # DataError, CheckpointError, ScoringError, OutputError

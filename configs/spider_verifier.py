@@ -16,7 +16,7 @@ From nothing (``caper_jax/experiments/spider_verifier.py``, trainer "spider_veri
     pick      the reranker (best-of-k per aggregate or PRM-weighted vote) with the best EX on the
               policy's samples of training questions the PRM never trained on (report.pick_held_back)
               — never chosen on dev
-    verify    EX on dev of each system alone, MV@6, every PRM reranker, oracle@6 (caper_jax.eval.verify)
+    verify    EX on dev of each system alone, MV@6, every PRM reranker, oracle@6 (caper_jax.eval.verifier)
 
     bash launch/spider_verifier.sh runs/spider_verifier
     python -m caper_jax.train --config=configs/spider_verifier.py --workdir=runs/spider_verifier    # the same

@@ -8,7 +8,8 @@ import pytest
 
 from tests.helpers import REPO
 
-COMMANDS = ["caper_jax.train", "caper_jax.evaluate", "caper_jax.verify", "caper_jax.convert", "caper_jax.annotate"]
+COMMANDS = ["caper_jax.train", "caper_jax.evaluate", "caper_jax.verify", "caper_jax.convert", "caper_jax.annotate",
+            "caper_jax.upgrade_run"]
 
 
 @pytest.mark.parametrize("module", COMMANDS)

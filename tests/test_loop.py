@@ -65,14 +65,14 @@ def test_shared_checks_refuse_the_same_way(trainer):
 
 
 def _toy_run(tmp_path, total_steps=5):
-    """A Run over a three-number state (no model): what the loop does around any trainer's step."""
+    """A TrainingRun over a three-number state (no model): what the loop does around any trainer's step."""
     from ml_collections import ConfigDict
 
     config = ConfigDict({"log_every": 2, "ckpt_every": 2, "ckpt_keep": 2, "sharding_rules": (),
                          "mesh_shape": {"data": 1, "fsdp": -1, "tensor": 1},
                          "optim": {"total_steps": total_steps, "lr": 0.1, "warmup_steps": 0,
                                    "max_consecutive_nonfinite": 1}})
-    run = loop.Run.start(config, tmp_path / "run")
+    run = loop.TrainingRun.start(config, tmp_path / "run")
     run.use_mesh()
     state = init_state({"w": jnp.zeros(3)}, optax.sgd(0.1))
     return run, run.resume(state, None, run_record=None)
@@ -161,7 +161,7 @@ def test_an_evaluate_hook_needs_eval_every(tmp_path):
 
 
 def test_a_policy_run_stopped_during_its_export_writes_no_results_json(tmp_path, monkeypatch):
-    """results.json marks a stage done (caper_jax.reproduce.done), so it comes after the HF export."""
+    """results.json marks a stage done (caper_jax.experiments.stages.completion), so it comes after the HF export."""
     import types
 
     import caper_jax.models

@@ -356,14 +356,14 @@ def test_evaluate_ex_reports_bad_lines_and_repeated_indices_by_line(spider, tmp_
 
 
 def test_verify_localize_skips_lone_surrogates_and_bad_bytes_by_line(spider, tmp_path, concert_index):
-    from caper_jax.eval import verify
+    from caper_jax.eval import verifier
 
     path = tmp_path / "p.jsonl"
     path.write_bytes(b'{"index": %d, "pred": "SELECT \\ud800", "root_clause": "SELECT"}\n' % concert_index
                      + b'{"index": %d, "pred": "SELECT \xfe", "root_clause": "SELECT"}\n' % concert_index
                      + b'{"index": %d, "pred": "SELECT name FROM singer", "root_clause": "SELECT"}\n' % concert_index)
     reports = []
-    rows, skipped = verify.read_failures(spider, "dev", path, report=reports.append)
+    rows, skipped = verifier.read_failures(spider, "dev", path, report=reports.append)
     assert len(rows) == 1 and skipped == {"malformed": 2}
     assert reports[0].startswith(f"{path}:1: skipped: holds a lone surrogate") and f"{path}:2: skipped: not UTF-8" in reports[1]
 

@@ -1,5 +1,6 @@
 """caper_jax.runs: a saved run round-trips through load_run; a partial, corrupt or mismatched run is one
-CheckpointError; convert hf-to-orbax writes a run that load_run reads and a trainer starts from.
+CheckpointError; convert hf-to-orbax writes a run that load_run reads and a trainer starts from; a run of
+an older layout is refused with the command that converts it (caper_jax.upgrade_run), and converts.
 
 References: the arrays that were saved (bit comparisons), and ``from_hf`` of the converted HF directory.
 """
@@ -16,11 +17,12 @@ import pytest
 from flax import nnx
 
 from caper_jax import checkpoint as ckpt_lib
-from caper_jax import convert, runs
+from caper_jax import convert, runs, upgrade_run
 from caper_jax.models import Qwen35ForCausalLM, from_hf
 from caper_jax.models.presets import model_preset
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel.rules import DEFAULT_RULES
+from caper_jax.prm.model import ClausePRM
 from caper_jax.utils.errors import CheckpointError
 from caper_jax.utils.optim import init_state, make_optimizer
 from tests.helpers import build_hf_model, run_command
@@ -74,16 +76,18 @@ def _assert_trees_equal(a, b):
 
 def test_a_saved_run_round_trips_params_and_full_state(sft_run, mesh):
     workdir, state, arch = sft_run
-    run = runs.load_run(workdir, mesh=mesh, rules=RULES, trainers=runs.POLICY_TRAINERS)
-    assert run.recorded and run.step == 4 and run.trainer == "sft" and run.state is None
+    run = runs.load_run(workdir, module=Qwen35ForCausalLM, mesh=mesh, rules=RULES, trainers=runs.POLICY_TRAINERS)
+    assert run.step == 4 and run.trainer == "sft" and run.state is None
     assert run.model_config == arch and run.tokenizer_dir == workdir.parent / "tok"
     assert isinstance(run.model, Qwen35ForCausalLM) and run.model.config.vocab_size == VOCAB
     _assert_trees_equal(nnx.state(run.model), state.params)
-    full = runs.load_run(workdir / "checkpoints", mesh=mesh, rules=RULES, what="state", step=4)
+    full = runs.load_run(workdir / "checkpoints", module=Qwen35ForCausalLM, mesh=mesh, rules=RULES, what="state",
+                         step=4)
     assert int(full.state.step) == 1
     _assert_trees_equal(full.state, state)
     # The run-time fields are the reader's; the architecture is the record's.
-    bf16 = runs.load_run(workdir, mesh=mesh, rules=RULES, dtype="bfloat16", remat="full")
+    bf16 = runs.load_run(workdir, module=Qwen35ForCausalLM, mesh=mesh, rules=RULES, dtype="bfloat16",
+                         remat="full")
     assert bf16.model_config == arch.replace(dtype="bfloat16", remat="full")
 
 
@@ -91,9 +95,10 @@ def test_a_run_given_by_a_relative_path_loads(sft_run, mesh, monkeypatch):
     """The documented commands pass workdirs relative to the repo (runs/sft_demo); orbax wants absolute paths."""
     workdir, state, _ = sft_run
     monkeypatch.chdir(workdir.parent)
-    run = runs.load_run(workdir.name, mesh=mesh, rules=RULES, trainers=runs.POLICY_TRAINERS)
+    run = runs.load_run(workdir.name, module=Qwen35ForCausalLM, mesh=mesh, rules=RULES,
+                        trainers=runs.POLICY_TRAINERS)
     _assert_trees_equal(nnx.state(run.model), state.params)
-    full = runs.load_run(workdir.name, mesh=mesh, rules=RULES, what="state")
+    full = runs.load_run(workdir.name, module=Qwen35ForCausalLM, mesh=mesh, rules=RULES, what="state")
     _assert_trees_equal(full.state, state)
 
 
@@ -122,13 +127,14 @@ def test_partial_corrupt_and_mismatched_runs_are_one_clear_error(sft_run, mesh, 
     cases = [(partial, {}, "no whole checkpoint"),
              (corrupt, {}, "no whole checkpoint"),
              (mismatched, {}, "stored parameters do not fit"),
+             (workdir, {"module": ClausePRM}, "stored parameters do not fit"),   # the caller's module, not the run's
              (workdir, {"trainers": ("prm",)}, "'sft' trainer, not Clause-PRM"),
              (workdir, {"step": 9}, "has no step 9"),
              (tmp_path / "absent", {}, "does not exist"),
              (old_convert, {}, "older `convert hf-to-orbax`")]
     for path, kwargs, message in cases:
         with pytest.raises(CheckpointError, match=message):
-            runs.load_run(path, mesh=mesh, rules=RULES, **kwargs)
+            runs.load_run(path, **{"module": Qwen35ForCausalLM, **kwargs}, mesh=mesh, rules=RULES)
     assert issubclass(CheckpointError, ValueError)
 
 
@@ -143,12 +149,12 @@ def converted(tmp_path_factory):
 
 def test_converted_hf_model_is_a_run(converted, mesh):
     hf_dir, out = converted
-    run = runs.load_run(out, mesh=mesh, rules=RULES, trainers=runs.POLICY_TRAINERS)
+    run = runs.load_run(out, module=Qwen35ForCausalLM, mesh=mesh, rules=RULES, trainers=runs.POLICY_TRAINERS)
     reference, config = from_hf(hf_dir)
-    assert run.trainer == runs.CONVERTED and run.recorded and run.model_config == config
+    assert run.trainer == runs.CONVERTED and run.model_config == config
     _assert_trees_equal(nnx.state(run.model), nnx.state(reference))
     with pytest.raises(CheckpointError, match="parameters only"):
-        runs.load_run(out, mesh=mesh, rules=RULES, what="state")
+        runs.load_run(out, module=Qwen35ForCausalLM, mesh=mesh, rules=RULES, what="state")
 
 
 def test_a_trainer_starts_from_a_converted_model(converted, mesh):
@@ -213,7 +219,7 @@ def test_prm_init_from_takes_a_padded_vocabulary(converted, mesh):
 def test_prm_init_from_a_recorded_run_ignores_its_stale_preset(sft_run, mesh, tmp_path):
     """The run's config names preset 'small' but its record is tiny: the record is what build_model
     builds, so the PRM's preset ('tiny') is not compared with the stale one. A run saved before the
-    record got its architecture from that preset, so there the presets must agree."""
+    record is refused with the command that converts it."""
     from configs.prm import get_config as prm_config
 
     from caper_jax.prm import trainer as prm_trainer
@@ -225,20 +231,89 @@ def test_prm_init_from_a_recorded_run_ignores_its_stale_preset(sft_run, mesh, tm
     assert prm_trainer.build_model(prm, VOCAB, mesh, RULES).config.hidden_size == arch.hidden_size
     legacy, _ = _legacy_copy(workdir, tmp_path / "legacy")
     prm.model.init_from = str(legacy)
-    with pytest.raises(CheckpointError, match="differs from this PRM's .*'preset': \\('small', 'tiny'\\)"):
+    with pytest.raises(CheckpointError, match=f"before the run record .* python -m caper_jax.upgrade_run {legacy}$"):
         prm_trainer.validate(prm)
 
 
+def _upgrade(*workdirs):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = run_command(upgrade_run, *workdirs)
+    return status, out.getvalue(), err.getvalue()
+
+
+def _files(step_dir):
+    return {p: p.read_bytes() for p in step_dir.rglob("*") if p.is_file()}
+
+
+def test_upgrade_records_a_run_saved_before_the_record(sft_run, mesh, tmp_path):
+    """The old layout (no run item) made here from the saved run: refused unconverted; the upgrade derives the
+    record from the config's preset and the stored embedding's rows (not the preset's vocabulary), finds the
+    tokenizer of model.tokenizer_dir, re-seals the step, and the run then loads bit for bit. A second upgrade
+    changes no byte."""
+    workdir, state, arch = sft_run
+    legacy, step_dir = _legacy_copy(workdir, tmp_path / "legacy")
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    (tokenizer_dir / "tokenizer_config.json").write_text("{}")
+    _rewrite(step_dir, "config", lambda c: c["model"].update(preset="tiny", tokenizer_dir=str(tokenizer_dir)))
+    with pytest.raises(CheckpointError, match="python -m caper_jax.upgrade_run"):
+        runs.read_run(legacy)
+    status, out, err = _upgrade(legacy)
+    assert (status, err) == (0, "")
+    assert out == f"{step_dir}: run record written (vocabulary {VOCAB}, tokenizer {tokenizer_dir})\n"
+    assert ckpt_lib.verify(step_dir) is None
+    run = runs.load_run(legacy, module=Qwen35ForCausalLM, mesh=mesh, rules=RULES, trainers=runs.POLICY_TRAINERS)
+    assert run.model_config == arch and run.tokenizer_dir == tokenizer_dir
+    _assert_trees_equal(nnx.state(run.model), state.params)
+    sealed = _files(step_dir)
+    assert _upgrade(legacy) == (0, f"{step_dir}: current layout, unchanged\n", "")
+    assert _files(step_dir) == sealed
+
+
+def test_upgrade_takes_the_architecture_of_the_hf_checkpoint_a_run_started_from(converted, tmp_path):
+    hf_dir, out = converted
+    legacy, step_dir = tmp_path / "legacy", tmp_path / "legacy" / "checkpoints" / "0"
+    shutil.copytree(out, legacy)
+    shutil.rmtree(step_dir / runs.RUN_ITEM)
+    ckpt_lib.write_manifest(step_dir, 0)
+    assert _upgrade(legacy)[0] == 0
+    info, converted_record = runs.read_run(legacy), runs.read_run(out)
+    assert info.model_config == converted_record.model_config == from_hf(hf_dir)[1]
+    assert info.tokenizer_dir == converted_record.tokenizer_dir
+
+
+def test_upgrade_finds_the_tokenizer_of_a_copied_workdir(sft_run, tmp_path):
+    """A workdir copied to another machine: its record names a tokenizer directory that is not there, so
+    tokenizer() names the upgrade, which points the record at the demo world's tokenizer the workdir holds."""
+    workdir, _, arch = sft_run
+    copied, step_dir = tmp_path / "copied", tmp_path / "copied" / "checkpoints" / "4"
+    shutil.copytree(workdir, copied)
+    _rewrite(step_dir, runs.RUN_ITEM, lambda record: record.update(tokenizer=str(tmp_path / "elsewhere")))
+    _rewrite(step_dir, "config", lambda config: config["data"].update(kind="demo", dir=""))
+    (copied / "demo_world" / "tokenizer").mkdir(parents=True)
+    (copied / "demo_world" / "tokenizer" / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=f"python -m caper_jax.upgrade_run {copied} finds"):
+        runs.read_run(copied).tokenizer()
+    assert _upgrade(copied)[0] == 0
+    info = runs.read_run(copied)
+    assert info.tokenizer_dir == copied / "demo_world" / "tokenizer" and info.model_config == arch
+    assert ckpt_lib.verify(step_dir) is None
+
+
 @pytest.mark.parametrize("preset", [None, "qwen35_0b"])
-def test_a_legacy_run_without_a_known_preset_is_a_checkpoint_error(sft_run, tmp_path, preset):
-    """None: the config has no model.preset at all."""
+def test_a_legacy_run_without_a_known_preset_is_one_error_line(sft_run, tmp_path, preset):
+    """None: the config has no model.preset at all. Nothing is written to the step."""
     workdir, _, _ = sft_run
     legacy, step_dir = _legacy_copy(workdir, tmp_path / "legacy")
     edit = (lambda config: config["model"].pop("preset")) if preset is None else (
         lambda config: config["model"].update(preset=preset))
     _rewrite(step_dir, "config", edit)
-    with pytest.raises(CheckpointError, match=f"names no known model.preset \\({preset!r}"):
-        runs.read_run(legacy)
+    before = _files(step_dir)
+    status, out, err = _upgrade(legacy)
+    assert (status, out) == (2, "") and err.startswith("error: ") and err.count("\n") == 1
+    assert f"names no known model.preset ({preset!r}" in err
+    assert _files(step_dir) == before
 
 
 def test_every_recorded_list_comes_back_a_tuple(sft_run, tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from caper_jax import verify
-from caper_jax.eval import verify as verify_lib
+from caper_jax.eval import verifier
 from caper_jax.eval.ex import evaluate_ex
 from caper_jax.prm import scoring
 from caper_jax.sql.clauses import split_clauses
@@ -183,7 +183,7 @@ def test_rerank_ex_by_hand_and_against_evaluate_ex(spider, spider_lines, tmp_pat
     path = write_lines(tmp_path / "c.jsonl", records)
     messages = []
     out = tmp_path / "out.jsonl"
-    summary = verify_lib.rerank(RuleScorer(golds), spider, "dev", path, aggregate="min", output=out,
+    summary = verifier.rerank(RuleScorer(golds), spider, "dev", path, aggregate="min", output=out,
                             report=messages.append)
     assert expected["n"] == 16
     assert {k: summary[k] for k in expected} == pytest.approx(expected)
@@ -244,20 +244,20 @@ def test_rerank_and_localize_use_the_split_s_own_database_and_schema(tmp_path):
             return super().score_queries(rows)
 
     scorer = SchemaRecorder({"SELECT 1"})
-    summary = verify_lib.rerank(scorer, tmp_path, "train", candidates, report=lambda m: None)
+    summary = verifier.rerank(scorer, tmp_path, "train", candidates, report=lambda m: None)
     assert summary["n"] == 1 and summary["first"] == summary["prm"] == 1.0
     assert evaluate_ex(tmp_path, "train", candidates, report=lambda m: None)["mv"]["first"] == 1.0
     assert len(scorer.schemas) == 1 and "dev_only" not in scorer.schemas[0]
     # Localize: "SELECT 1" answers train's question, so the annotator finds no failure to rank.
     failures = write_lines(tmp_path / "f.jsonl", [{"index": 0, "pred": "SELECT 1"}])
-    assert verify_lib.read_failures(tmp_path, "train", failures, report=lambda m: None) == ([], {"correct": 1})
+    assert verifier.read_failures(tmp_path, "train", failures, report=lambda m: None) == ([], {"correct": 1})
 
 
 def test_random_prm_keeps_a_consistent_ex_accounting(spider, spider_lines, scorer, tmp_path):
     records, golds, expected = spider_lines
     path = write_lines(tmp_path / "c.jsonl", records)
     out = tmp_path / "out.jsonl"
-    summary = verify_lib.rerank(scorer, spider, "dev", path, aggregate="mean", output=out, report=lambda m: None)
+    summary = verifier.rerank(scorer, spider, "dev", path, aggregate="mean", output=out, report=lambda m: None)
     assert {k: summary[k] for k in ("n", "first", "vote", "any")} == pytest.approx(
         {k: expected[k] for k in ("n", "first", "vote", "any")})
     rows = [json.loads(line) for line in out.read_text().splitlines() if "excluded" not in line]
@@ -384,13 +384,13 @@ def test_localization_report_given_and_annotator_roots(prm_run, tmp_path):
     unmarked = [{"index": r["index"], "pred": r["pred"]} for r in suspects]
     path = write_lines(tmp_path / "p.jsonl", given + unlabeled + correct + suspects + unmarked
                        + ["{", {"question": "q"}])
-    rows, skipped = verify_lib.read_failures(world, "dev", path, report=lambda m: None)
+    rows, skipped = verifier.read_failures(world, "dev", path, report=lambda m: None)
     assert len(rows) == 16 and skipped == {"correct": 2, "malformed": 2, "suspect": 2 * len(suspects)}
     assert [r["root"] for r in rows[:12]] == [r["true_root_clause"] for r in given]
     assert {r["root_source"] for r in rows[12:]} == {"annotator"}
-    perfect = verify_lib.localization_report(OracleScorer(True), rows, tmp_path / "perfect", skipped)
+    perfect = verifier.localization_report(OracleScorer(True), rows, tmp_path / "perfect", skipped)
     assert perfect["localization"]["prm"]["top1"] == 1.0 and perfect["localization"]["prm"]["mrr"] == 1.0
-    tied = verify_lib.localization_report(OracleScorer(False), rows, tmp_path / "tied", skipped)
+    tied = verifier.localization_report(OracleScorer(False), rows, tmp_path / "tied", skipped)
     assert tied["localization"]["prm"]["top1"] == pytest.approx(tied["localization"]["random"]["top1"])
     for name in ("localization.md", "localization.json", "localization_top1.png", "localization_mrr.png",
                  "confusion.png"):

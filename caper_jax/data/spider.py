@@ -1,7 +1,7 @@
 """The one reader of text-to-SQL data in the Spider and BIRD layouts (the demo world uses Spider's).
 
 Every part of caper_jax that reads questions, schemas or databases goes through this module: the
-trainers (``caper_jax.data.world``), SFT/GRPO examples (``caper_jax.sft.data``), annotation
+trainers (``caper_jax.data.data_world``), SFT/GRPO examples (``caper_jax.sft.data``), annotation
 (``caper_jax.data.tfds_caper``, PRM training), ``evaluate ex``, ``verify`` and policy evaluation.
 
     split      Spider                                   BIRD (either arrangement)

@@ -2,7 +2,7 @@
 
 Trained with the ``tokenizers`` library on the demo world's training questions and gold SQL, the
 serialised schemas of its databases, and a list of SQL keywords and functions, or on another
-corpus (``reproduce.build_spider_view`` gives it Spider's training prompts + SQL). Design choices:
+corpus (``experiments.spider_verifier.build_spider_view`` gives it Spider's training prompts + SQL). Design choices:
 
 * Byte-level BPE: any string (any script, emoji, control bytes) encodes and decodes back exactly;
   there is no unknown token.

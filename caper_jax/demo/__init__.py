@@ -8,5 +8,5 @@
 The world is read back by the same Spider/BIRD readers as real data (``caper_jax.data.spider``).
 Its tokenizer is not here: ``caper_jax.data.tokenizer`` trains the one byte-level BPE of every
 world, the demo world's (its default corpus, drawn from this package) and the Spider view's
-(``reproduce.build_spider_view`` passes Spider's prompts + SQL), so it stays with the data layer.
+(``experiments.spider_verifier.build_spider_view`` passes Spider's prompts + SQL), so it stays with the data layer.
 """

@@ -39,6 +39,7 @@ import numpy as np
 
 from caper_jax import loop, runs
 from caper_jax.eval.ex import majority_vote
+from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.policy import sampling as sampling_lib
 from caper_jax.policy.prompts import stop_token_id
 from caper_jax.sft.data import examples_from_split
@@ -76,7 +77,8 @@ def load_policy(path: str | pathlib.Path, mesh, rules, *, dtype: str | None = No
         model, _ = from_hf(path, dtype=dtype or "float32", mesh=mesh, rules=rules)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         return Policy(model, tokenizer, stop_token_id(tokenizer), None, str(path))
-    run = runs.load_run(path, mesh=mesh, rules=rules, trainers=runs.POLICY_TRAINERS, dtype=dtype)
+    run = runs.load_run(path, module=Qwen35ForCausalLM, mesh=mesh, rules=rules, trainers=runs.POLICY_TRAINERS,
+                        dtype=dtype)
     tokenizer = run.tokenizer()
     return Policy(run.model, tokenizer, stop_token_id(tokenizer), run.config, str(run.step_dir))
 

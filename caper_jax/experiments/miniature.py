@@ -46,9 +46,9 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from caper_jax import loop
-from caper_jax.data.world import prepare_world
+from caper_jax.data.data_world import prepare_world
 from caper_jax.eval import policy as policy_lib
-from caper_jax.eval.config import validate_eval_config
+from caper_jax.eval.validate import validate_eval_config
 from caper_jax.experiments import report
 from caper_jax.experiments.rerankers import pick_stage, prm_scorer, rerankers
 from caper_jax.experiments.samples import (add_policy_confidence, build_prm_data, check_pick_held_back,

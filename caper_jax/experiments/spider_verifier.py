@@ -35,7 +35,7 @@ from ml_collections import ConfigDict
 from caper_jax import loop
 from caper_jax.data.spider import load_schemas, load_split, read_system_predictions
 from caper_jax.eval import policy as policy_lib
-from caper_jax.eval import verify
+from caper_jax.eval import verifier
 from caper_jax.eval.ex import evaluate_ex
 from caper_jax.experiments import report
 from caper_jax.experiments.rerankers import pick_stage, prm_scorer
@@ -238,7 +238,7 @@ def verify_systems(config: ConfigDict, view: pathlib.Path, candidates: list[dict
     mesh, rules = loop.mesh_and_rules(config.eval)
     scorer = prm_scorer(config, out / "prm", mesh, rules)
     with jax.set_mesh(mesh):
-        summary = verify.rerank(scorer, view, "dev", pool, aggregate="min", semantics=config.verify.semantics,
+        summary = verifier.rerank(scorer, view, "dev", pool, aggregate="min", semantics=config.verify.semantics,
                                 output=out / "verify_choices.jsonl", report=lambda message: log.info("%s", message))
     return {"alone": alone, "pool": summary}
 

@@ -2,7 +2,7 @@
 
 * ``decode`` turns prompts into text: greedy, k samples per prompt, or both. It is what the trainers'
   end-of-run greedy EX (``rollout.greedy_ex``), the policy evaluation (``caper_jax.eval.policy``) and
-  the reproduction's samples for annotation (``caper_jax.reproduce.sample_train_questions``) call.
+  the reproduction's samples for annotation (``caper_jax.experiments.samples``) call.
   Batches have a fixed shape (the last one is padded by repeating its last prompt), so one compiled
   program serves every batch; batch ``i`` is drawn with ``fold_in(key(seed), i)`` and greedy decoding
   ignores the key (the sampler's PRNG contract). Prompts are padded with ``resolve_pad_id``'s id

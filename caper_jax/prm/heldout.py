@@ -238,7 +238,7 @@ def confusion_table(summary: dict) -> str:
 
 def write_report(results: dict, workdir: pathlib.Path) -> None:
     """localization.md, the per-clause localisation plot, then results.json (last: it marks the run
-    done, ``caper_jax.reproduce.done``)."""
+    done, ``caper_jax.experiments.stages.completion``)."""
     workdir = pathlib.Path(workdir)
     localization = results.get("localization", {})
     metrics = results["metrics"]

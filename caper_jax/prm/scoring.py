@@ -242,7 +242,7 @@ def load_scorer(path: str | pathlib.Path, *, mesh=None, rules=None, batch_size: 
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         return ClausePrmScorer(model, tokenizer, mesh=mesh, rules=rules, batch_size=batch_size,
                                max_len=max_len or DEFAULT_MAX_LEN, bucket_lengths=bucket_lengths)
-    run = runs.load_run(path, mesh=mesh, rules=rules, trainers=("prm",), dtype=dtype)
+    run = runs.load_run(path, module=ClausePRM, mesh=mesh, rules=rules, trainers=("prm",), dtype=dtype)
     data = run.config.get("data", {})
     return ClausePrmScorer(run.model, run.tokenizer(), mesh=mesh, rules=rules,
                            batch_size=batch_size, max_len=max_len or data.get("max_len", DEFAULT_MAX_LEN),

@@ -22,7 +22,8 @@ from flax import nnx
 
 from caper_jax import loop, runs
 from caper_jax.data import prm_pipeline as pipe_lib
-from caper_jax.data.world import DataWorld, prepare_world
+from caper_jax.data.data_world import DataWorld, prepare_world
+from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
 from caper_jax.prm import heldout
@@ -136,16 +137,9 @@ def check_init_from(config, run: runs.RunInfo | None = None, vocab_size: int | N
             run = runs.read_run(source, trainers=runs.POLICY_TRAINERS)
         except CheckpointError as error:
             raise CheckpointError(f"model.init_from={source!r}: {error}") from error
-    stored = run.config.get("model", {})
-    from_hf = bool(stored.get("hf_dir") or run.config.get("policy", {}).get("hf_dir"))
-    if from_hf and not run.recorded:   # its architecture is only in an HF config.json the run may have outlived
-        raise CheckpointError(f"model.init_from={source!r} started from HF weights; set model.hf_dir to those instead")
+    # The run's architecture is its record, which build_model builds whatever the presets say (a GRPO
+    # run's config keeps an unused default preset when its SFT run came from HF weights).
     expected = {"param_dtype": run.model_config.param_dtype}
-    # A recorded run's architecture is its record, which build_model builds whatever the presets say
-    # (a GRPO run's config keeps an unused default preset when its SFT run came from HF weights); a
-    # run saved before the record is still held to the preset rule it was made under.
-    if not run.recorded:
-        expected["preset"] = stored.get("preset")
     mismatched = {k: (v, config.model[k]) for k, v in expected.items() if v != config.model[k]}
     if mismatched:
         raise CheckpointError(f"model.init_from={source!r}: the run's model differs from this PRM's "
@@ -165,8 +159,8 @@ def build_model(config, vocab_size: int, mesh, rules) -> ClausePRM:
 
         # The newest whole checkpoint's params, read onto their shardings.
         try:
-            run = runs.load_run(config.model.init_from, mesh=mesh, rules=rules, trainers=runs.POLICY_TRAINERS,
-                                dtype=config.model.dtype)
+            run = runs.load_run(config.model.init_from, module=Qwen35ForCausalLM, mesh=mesh, rules=rules,
+                                trainers=runs.POLICY_TRAINERS, dtype=config.model.dtype)
         except CheckpointError as error:
             raise CheckpointError(f"model.init_from={config.model.init_from!r}: {error}") from error
         check_init_from(config, run, vocab_size)
@@ -189,7 +183,7 @@ def build_model(config, vocab_size: int, mesh, rules) -> ClausePRM:
 
 def write_outputs(config, workdir: pathlib.Path, results: dict, model: ClausePRM, tokenizer, *, main: bool) -> None:
     """The HF export (``export_hf``, every process), then the report (process 0). The report's
-    results.json comes last: it marks the run done (``caper_jax.reproduce.done``), so a run stopped
+    results.json comes last: it marks the run done (``caper_jax.experiments.stages.completion``), so a run stopped
     during the export is not taken for a finished one."""
     if config.export_hf:
         export_prm_to_hf(model, workdir / "hf_export", tokenizer)
@@ -198,7 +192,7 @@ def write_outputs(config, workdir: pathlib.Path, results: dict, model: ClausePRM
 
 
 def run(config, workdir: str) -> dict:
-    run = loop.Run.start(config, workdir)
+    run = loop.TrainingRun.start(config, workdir)
     workdir = run.workdir
 
     # Data: the world (demo or Spider layout), its tokenizer, and annotated tuples. Process 0

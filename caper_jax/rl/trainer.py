@@ -30,11 +30,13 @@ from flax import nnx
 
 from caper_jax import loop, runs
 from caper_jax.data.prm_pipeline import resolve_pad_id
+from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.models.sampler import SamplingConfig, generate
 from caper_jax.parallel import multihost
 from caper_jax.policy import rollout as rollout_lib
 from caper_jax.policy.build import build_policy
 from caper_jax.policy.prompts import prompt_batch, stop_token_id
+from caper_jax.prm.model import ClausePRM
 from caper_jax.utils.optim import make_optimizer
 from caper_jax.rl.losses import AGGREGATIONS
 from caper_jax.rl.rewards import reward_variant
@@ -52,8 +54,8 @@ def load_policy(config, vocab_size: int, mesh, rules):
     """The starting policy: an SFT run's (or converted HF model's) checkpoint, an HF directory or a
     random preset; in this run's dtypes and remat."""
     if config.policy.sft_workdir:
-        run = runs.load_run(config.policy.sft_workdir, mesh=mesh, rules=rules, step=config.policy.ckpt,
-                            trainers=runs.POLICY_TRAINERS, dtype=config.model.dtype,
+        run = runs.load_run(config.policy.sft_workdir, module=Qwen35ForCausalLM, mesh=mesh, rules=rules,
+                            step=config.policy.ckpt, trainers=runs.POLICY_TRAINERS, dtype=config.model.dtype,
                             param_dtype=config.model.param_dtype, remat=config.model.remat)
         policy = run.model
         multihost.log_main("policy: %s step %d", config.policy.sft_workdir, run.step)
@@ -82,8 +84,8 @@ def check_runs(config) -> None:
 
 def load_prm(config, vocab_size: int, mesh, rules):
     """The frozen Clause-PRM of a PRM run (``prm.workdir``), in this run's compute dtype."""
-    run = runs.load_run(config.prm.workdir, mesh=mesh, rules=rules, step=config.prm.ckpt, trainers=("prm",),
-                        dtype=config.model.dtype)
+    run = runs.load_run(config.prm.workdir, module=ClausePRM, mesh=mesh, rules=rules, step=config.prm.ckpt,
+                        trainers=("prm",), dtype=config.model.dtype)
     prm = run.model
     runs.check_vocab("PRM", prm.config.vocab_size, vocab_size)
     multihost.log_main("Clause-PRM: %s step %d", config.prm.workdir, run.step)
@@ -165,11 +167,11 @@ def reward_config(config) -> rollout_lib.RewardConfig:
 
 def run(config, workdir: str) -> dict:
     from caper_jax.sql.contract import policy_prompt
-    from caper_jax.data.world import prepare_world
+    from caper_jax.data.data_world import prepare_world
     from caper_jax.sql.execution import Executors
 
     check_runs(config)   # before the workdir and the world are made
-    run = loop.Run.start(config, workdir)
+    run = loop.TrainingRun.start(config, workdir)
     world = prepare_world(config, run.workdir)
     tokenizer = world.tokenizer
     stop_tokens = tuple(sorted({stop_token_id(tokenizer)} |
@@ -289,7 +291,7 @@ def run(config, workdir: str) -> dict:
     policy = nnx.merge(graphdef, state.params)
     rows = []
     results = {"variant": config.reward.variant, "steps": config.optim.total_steps}
-    if config.eval.num_examples:  # 0: no end-of-run EX (caper_jax.reproduce evaluates separately)
+    if config.eval.num_examples:  # 0: no end-of-run EX (the experiments evaluate separately)
         held_out = data_lib.examples_from_split(world.dir, config.data.eval_split,
                                                 schema_values=config.data.schema_values)
         with jax.set_mesh(mesh):

@@ -75,11 +75,11 @@ def validate(config) -> None:
 
 
 def run(config, workdir: str) -> dict:
-    from caper_jax.data.world import prepare_world
+    from caper_jax.data.data_world import prepare_world
     from caper_jax.policy.rollout import held_out_ex
     from caper_jax.sql.execution import Executors
 
-    run = loop.Run.start(config, workdir)
+    run = loop.TrainingRun.start(config, workdir)
     world = prepare_world(config, run.workdir)
     tokenizer = world.tokenizer
     stop = stop_token_id(tokenizer)
@@ -115,7 +115,7 @@ def run(config, workdir: str) -> dict:
     policy = nnx.merge(graphdef, state.params)
     rows = []
     results = {"steps": config.optim.total_steps}
-    if config.eval.num_examples:  # 0: no end-of-run EX (caper_jax.reproduce evaluates separately)
+    if config.eval.num_examples:  # 0: no end-of-run EX (the experiments evaluate separately)
         held_out = data_lib.examples_from_split(world.dir, config.data.eval_split,
                                                 schema_values=config.data.schema_values)
         with jax.set_mesh(mesh), Executors(world.database_dir, timeout_s=config.eval.timeout_s) as executors:

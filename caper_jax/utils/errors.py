@@ -23,7 +23,7 @@ class NonFiniteLossError(RuntimeError):
 
 class Preempted(Exception):
     """SIGTERM (a scheduler's preemption notice) stopped the run after it saved a checkpoint at ``step``
-    in ``directory``; the same command resumes from there (``caper_jax.loop.Run.train``)."""
+    in ``directory``; the same command resumes from there (``caper_jax.loop.TrainingRun.train``)."""
 
     def __init__(self, step: int, directory):
         super().__init__(f"stopped by SIGTERM after saving step {step} in {directory}; the same command "

@@ -1,9 +1,9 @@
 """The few lines every run ends with: its headline figures next to their baselines, the wall time,
 and where the report, plots, checkpoint and export went.
 
-Each entry point calls one function here as its last step (PRM, SFT and GRPO trainers,
-``caper_jax.reproduce`` and its Spider verifier, ``python -m caper_jax.evaluate``, ``python -m
-caper_jax.verify``); the figures come from the results dict the run returns, so the screen and
+Each entry point calls one function here as its last step (PRM, SFT and GRPO trainers, the
+experiments in ``caper_jax.experiments`` (the miniature and the Spider verifier), ``python -m
+caper_jax.evaluate``, ``python -m caper_jax.verify``); the figures come from the results dict the run returns, so the screen and
 results.json never disagree. Only process 0 prints.
 ``render`` is the pure part (tests read it); ``finish`` prints it and returns the text.
 
@@ -192,7 +192,7 @@ def _mean_std(entry: Any) -> tuple[Any, Any]:
 
 def reproduce_run(results: Mapping, out: str | pathlib.Path, seconds: float | None, *,
                   stream: TextIO | None = None) -> str:
-    """End of ``caper_jax.reproduce.run``: the headline rows of results.md (Tables 1 and 2)."""
+    """End of the miniature (``caper_jax.experiments.miniature``): the headline rows of results.md (Tables 1 and 2)."""
     out = pathlib.Path(out)
     localization = {"prm": {"top1": results.get("localization_top1"), "mrr": results.get("localization_mrr")},
                     **{m: b for m, b in results.get("baselines", {}).items()}}

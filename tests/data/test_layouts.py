@@ -4,7 +4,7 @@ Two fixtures are built in tmp_path from the files in ../shared/data/spider: a Sp
 (dev.json, train_spider.json + train_others.json, tables.json, database/) and the same questions in
 BIRD's layout (dev.json, dev_tables.json, dev_databases/; train/train.json, train/train_tables.json,
 train_databases/; gold SQL under "SQL", an "evidence" key). The consumers checked: the TFDS/Grain
-annotation readers (tfds_caper), the trainers' world (data/world.py), SFT/GRPO examples (sft/data.py),
+annotation readers (tfds_caper), the trainers' world (data/data_world.py), SFT/GRPO examples (sft/data.py),
 PRM annotation (prm/trainer.annotate_split) and evaluate ex.
 """
 import json
@@ -137,7 +137,7 @@ def test_world_sft_examples_and_prm_annotation_find_every_database(layouts, layo
     import ml_collections
 
     from caper_jax.data.tokenizer import build_demo_tokenizer
-    from caper_jax.data.world import prepare_world
+    from caper_jax.data.data_world import prepare_world
     from caper_jax.prm.trainer import annotate_split
     from caper_jax.sft.data import examples_from_split
     from caper_jax.sql.execution import Executors
@@ -216,7 +216,7 @@ def test_a_bad_predictions_line_is_skipped_with_its_number(tmp_path, caplog):
 def test_bird_evidence_reaches_the_prm_rows_of_verify_and_of_predictions_lines(layouts, tmp_path):
     """verify localize's rows and the annotator's predictions lines carry the question as the prompts show
     it: a line's own evidence, else its question's from the split."""
-    from caper_jax.eval.verify import read_failures
+    from caper_jax.eval.verifier import read_failures
 
     _, b, (dev, _, _) = layouts
     wrong = [{"index": i, "pred": "SELECT 1"} for i in range(len(dev))]

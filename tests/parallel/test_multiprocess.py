@@ -137,7 +137,7 @@ def test_two_processes_match_one_and_resume_after_sigkill(tmp_path):
     assert reference.wait(timeout=TIMEOUT_S) == 0, reference_log.read_text()[-4000:]
 
     # Process 0 alone writes metrics: one line per step; the steps after the checkpoint ran twice, and the
-    # resumed run's rows replaced the first pass's (loop.Run.resume rewinds metrics.jsonl).
+    # resumed run's rows replaced the first pass's (loop.TrainingRun.resume rewinds metrics.jsonl).
     losses = _losses(multi_dir)
     assert [s for s, _ in losses] == list(range(1, TOTAL_STEPS + 1))
     multi = dict(losses)

@@ -78,19 +78,19 @@ def test_gold_free_baselines_come_from_the_prediction_lines(tmp_path):
 
 
 def test_verify_localize_reads_the_baseline_inputs_too(tmp_path):
-    from caper_jax.eval import verify
+    from caper_jax.eval import verifier
 
     samples = ["SELECT name FROM person WHERE age > 40 ORDER BY name", GOLD]
     world = _world(tmp_path, [{"pred": samples[0], "samples": samples, "clause_logprob": [-0.1, -0.2, -2.0, -0.3]},
                               {"pred": "SELECT name FROM person WHERE age > 30 ORDER BY name DESC"}])
-    rows, skipped = verify.read_failures(world.dir, "dev", world.dir / "predictions_dev.jsonl", report=lambda m: None)
+    rows, skipped = verifier.read_failures(world.dir, "dev", world.dir / "predictions_dev.jsonl", report=lambda m: None)
     assert skipped == {} and [r["root"] for r in rows] == ["WHERE", "ORDER BY"]
     assert rows[0]["clause_logprob"] == [-0.1, -0.2, -2.0, -0.3] and len(rows[0]["sample_forms"]) == 2
     assert "clause_logprob" not in rows[1] and "sample_forms" not in rows[1]
 
 
 def test_a_prm_run_stopped_before_its_end_writes_no_results_json(tmp_path, monkeypatch):
-    """results.json marks a stage done (caper_jax.reproduce.done): the HF export and the rest of the
+    """results.json marks a stage done (caper_jax.experiments.stages.completion): the HF export and the rest of the
     report come before it."""
     from ml_collections import ConfigDict
 

@@ -122,7 +122,7 @@ def test_unequal_rewards_move_params_towards_the_better_completion(update_setup)
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from caper_jax.data.world import prepare_world
+    from caper_jax.data.data_world import prepare_world
 
     config = grpo_config()
     config.data.update(SMALL_WORLD, dir=str(tmp_path_factory.mktemp("world")))
@@ -133,6 +133,7 @@ def world(tmp_path_factory):
 def prm_run(tmp_path_factory, world):
     """A PRM trainer workdir holding one checkpoint of a random tiny Clause-PRM (the PRM trainer's layout)."""
     from caper_jax import checkpoint as ckpt_lib
+    from caper_jax import runs
     from caper_jax.models.presets import model_preset
     from caper_jax.prm.model import ClausePRM
     from configs.prm import get_config
@@ -143,7 +144,7 @@ def prm_run(tmp_path_factory, world):
     prm = ClausePRM(model_preset("tiny", vocab_size=len(tokenizer)), rngs=nnx.Rngs(3))
     state = init_state(nnx.state(prm), make_optimizer(config.optim))
     with ckpt_lib.Checkpointer(workdir / "checkpoints", async_save=False) as checkpointer:
-        checkpointer.save(7, state, config=config.to_dict(), force=True)
+        checkpointer.save(7, state, config=config.to_dict(), run=runs.record(prm.config, None), force=True)
     return workdir
 
 
@@ -169,7 +170,7 @@ def test_end_to_end_and_resume(variant, beta, world, prm_run, tmp_path):
     assert (tmp_path / "checkpoints" / "2").is_dir()
     from caper_jax import runs
     saved = runs.read_run(tmp_path)   # the run records the policy's architecture and the world's tokenizer
-    assert saved.recorded and saved.tokenizer_dir == pathlib.Path(world[0]) / "tokenizer"
+    assert saved.tokenizer_dir == pathlib.Path(world[0]) / "tokenizer"
     units = train_rows[-1]["rollout/units_per_sample"]
     assert units == 1.0 if variant == "sparse" else units >= 1.0
 
@@ -182,9 +183,8 @@ def test_end_to_end_and_resume(variant, beta, world, prm_run, tmp_path):
 
 
 def test_the_frozen_prm_is_read_from_a_whole_checkpoint_only(world, prm_run, tmp_path):
-    """Params of the newest verified step (the fixture's Rngs(3) init, not the loader's Rngs(0)) of a run
-    saved without the run record (the architecture re-derived from its config); a missing step, an
-    interrupted save or an empty run is one CheckpointError."""
+    """Params of the newest verified step (the fixture's Rngs(3) init, not the loader's Rngs(0)) in the
+    architecture of its run record; a missing step, an interrupted save or an empty run is one CheckpointError."""
     import shutil
 
     from caper_jax import runs
@@ -196,20 +196,20 @@ def test_the_frozen_prm_is_read_from_a_whole_checkpoint_only(world, prm_run, tmp
 
     vocab = len(world[1])
     mesh, rules = make_mesh(), tuple(tuple(r) for r in DEFAULT_RULES)
-    run = runs.load_run(prm_run, mesh=mesh, rules=rules, trainers=("prm",))
+    run = runs.load_run(prm_run, module=ClausePRM, mesh=mesh, rules=rules, trainers=("prm",))
     saved = nnx.state(ClausePRM(model_preset("tiny", vocab_size=vocab), rngs=nnx.Rngs(3)))
-    assert run.step == 7 and not run.recorded and run.model_config.vocab_size == vocab
+    assert run.step == 7 and run.model_config.vocab_size == vocab
     jax.tree.map(np.testing.assert_array_equal, nnx.state(run.model), saved)
     with pytest.raises(CheckpointError, match="has no step 5"):
-        runs.load_run(prm_run, mesh=mesh, rules=rules, step=5)
+        runs.load_run(prm_run, module=ClausePRM, mesh=mesh, rules=rules, step=5)
     damaged = tmp_path / "damaged"
     shutil.copytree(prm_run, damaged)
     (damaged / "checkpoints" / "7" / "caper_manifest.json").unlink()      # as a save killed mid-write
     for step in (0, 7):
         with pytest.raises(CheckpointError):
-            runs.load_run(damaged, mesh=mesh, rules=rules, step=step)
+            runs.load_run(damaged, module=ClausePRM, mesh=mesh, rules=rules, step=step)
     with pytest.raises(CheckpointError):
-        runs.load_run(tmp_path / "nothing", mesh=mesh, rules=rules)
+        runs.load_run(tmp_path / "nothing", module=ClausePRM, mesh=mesh, rules=rules)
 
 
 def test_config_accepts_exactly_the_registered_reward_variants():

@@ -1,5 +1,5 @@
 """configs/eval.py's values checked before any model or data is loaded (policy evaluation and the
-reproduction's evaluation stage, caper_jax/reproduce.py, both read that config)."""
+reproduction's evaluation stage, caper_jax/experiments/miniature.py, both read that config)."""
 from __future__ import annotations
 
 import pathlib
