@@ -352,6 +352,14 @@ def dry_run(config) -> dict:
             batch["ref_logp"] = struct((rows, new), jnp.float32)
         return batch
 
+    widths = check_prompt_widths(config.sampling.prompt_widths, config.sampling.max_prompt_len)
+    kinds = ["prefill", "decode"] + (["PRM"] if reward_variant(config.reward.variant).uses_prm else []) + \
+        (["reference"] if config.rl.beta > 0 else []) + ["update"]
+    updates = 2 if config.log_every > 1 and config.optim.total_steps > 1 else 1   # with / without the entropy
+    print(f"prompt widths {list(widths)}: a run compiles at most {len(widths) * (len(kinds) - 1 + updates)} step "
+          f"programs ({', '.join(kinds)}{' x 2' if updates == 2 else ''}, one per width); compiled here: the "
+          f"update at the widest ({config.sampling.max_prompt_len}). Programs of a run on real prompts: "
+          f"bench/dry_run_grpo.py --count_programs")
     return loop.dry_run(
         config, Qwen35ForCausalLM, lambda graphdef, tx: jit_update(graphdef, tx, config), batch,
         f"GRPO update: preset {config.model.preset}, minibatch {rows} x ({config.sampling.max_prompt_len} + "
