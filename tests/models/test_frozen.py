@@ -17,19 +17,23 @@ from caper_jax.prm.model import ClausePRM
 from caper_jax.rl.step import jit_completion_logprobs, prm_token_scores
 
 
+# One DeltaNet and one attention layer: every kind of weight, the least compile time.
+TWO_LAYERS = dict(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
+
+
 def nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def batch(vocab: int):
     rng = np.random.default_rng(1)
-    ids = jnp.asarray(rng.integers(1, vocab, (2, 70)), jnp.int32)
+    ids = jnp.asarray(rng.integers(1, vocab, (2, 40)), jnp.int32)
     return ids, jnp.ones_like(ids).at[0, :5].set(0)
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_reference_log_probs_are_bit_identical_in_bf16(tied):
-    config = Qwen35Config.tiny(vocab_size=128, dtype="bfloat16", tie_word_embeddings=tied)
+    config = Qwen35Config.tiny(vocab_size=128, dtype="bfloat16", tie_word_embeddings=tied, **TWO_LAYERS)
     graphdef, params = nnx.split(Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)))
     frozen = frozen_params(params, "bfloat16", reads_head=True, tied=tied)
     ids, mask = batch(128)
@@ -49,7 +53,7 @@ def test_reference_log_probs_are_bit_identical_in_bf16(tied):
 
 
 def test_prm_scores_are_bit_identical_in_bf16():
-    prm = ClausePRM(Qwen35Config.tiny(vocab_size=128, dtype="bfloat16"), rngs=nnx.Rngs(2))
+    prm = ClausePRM(Qwen35Config.tiny(vocab_size=128, dtype="bfloat16", **TWO_LAYERS), rngs=nnx.Rngs(2))
     graphdef, params = nnx.split(prm)
     frozen = frozen_params(params, "bfloat16", reads_head=False, tied=True)
     ids, mask = batch(128)
@@ -64,7 +68,7 @@ def test_prm_scores_are_bit_identical_in_bf16():
 def test_fp32_compute_keeps_every_weight_and_copies_it():
     """A run computing in fp32 holds the frozen models in fp32; the copies are new buffers (the trainer
     donates the train state the reference was copied from)."""
-    graphdef, params = nnx.split(Qwen35ForCausalLM(Qwen35Config.tiny(vocab_size=64), rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(Qwen35ForCausalLM(Qwen35Config.tiny(vocab_size=64, **TWO_LAYERS), rngs=nnx.Rngs(0)))
     frozen = frozen_params(params, "float32", reads_head=True, tied=False)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(frozen)):
         assert a.dtype == b.dtype and a is not b
