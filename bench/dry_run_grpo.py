@@ -42,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--remat", default="", help="model.remat of the policy update (default: the config's)")
     parser.add_argument("--programs", nargs="+", default=None, help="subset of the programs to compile")
+    parser.add_argument("--update_without_entropy", action="store_true",
+                        help="compile the update of a step that does not log (no entropy), not a logging step's")
     parser.add_argument("--capacity", nargs="+", default=["H100=79.6", "H200=140.4"],
                         metavar="NAME=GiB", help="device memory to fit (nvidia-smi totals: 81559 / 143771 MiB)")
     parser.add_argument("--usable", type=float, default=0.9, help="share of the capacity a plan may fill")
@@ -229,7 +231,7 @@ def main() -> None:
               f"G={ARGS.group} = {prompts * ARGS.group} rows, prompt {ARGS.prompt_len} + {ARGS.new_tokens} new tokens, "
               f"variant {ARGS.variant}, beta {ARGS.beta}, update minibatch {prompts * ARGS.group // config.rl.num_minibatches} "
               f"rows, policy remat {config.model.remat}, {config.model.dtype} compute, {config.model.param_dtype} params")
-        result = plan_lib.plan(config, mesh, programs=programs)
+        result = plan_lib.plan(config, mesh, programs=programs, update_entropy=not ARGS.update_without_entropy)
         print("\n".join(plan_lib.summary_lines(result)))
         plans.append(result)
     out = {"args": vars(ARGS), "plans": [plain(p) for p in plans]}

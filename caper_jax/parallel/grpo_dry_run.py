@@ -73,8 +73,10 @@ def _with_shardings(structs: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), structs, shardings)
 
 
-def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) -> dict[str, Any]:
+def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print,
+         update_entropy: bool = True) -> dict[str, Any]:
     """Compiles the GRPO step's programs for ``config`` (configs/grpo.py) on ``mesh``; no weights.
+    ``update_entropy``: the update of a logging step (with the policy's entropy) or of the others.
 
     Returns ``{"programs": {name: ProgramFigures}, "persistent": {name: bytes per device}, "config": ...}``.
     """
@@ -164,7 +166,8 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) 
               "advantages": _split(mesh, rules, (minibatch, new), jnp.float32)}
         if use_ref:
             mb["ref_logp"] = _split(mesh, rules, (minibatch, new), jnp.float32)
-        run("update", rl_step.jit_update(graphdef, tx, config, state_sharding), (state, mb),
+        run("update", rl_step.jit_update(graphdef, tx, config, state_sharding, with_entropy=update_entropy),
+            (state, mb),
             uses=("policy_params", "optimizer_state"), tokens=minibatch * full, n_rows=minibatch,
             calls=config.rl.update_epochs * config.rl.num_minibatches)
     return {"programs": figures, "persistent": persistent, "devices": mesh.size, "mesh": dict(mesh.shape),

@@ -30,11 +30,11 @@ from flax import nnx
 
 from caper_jax import loop, runs
 from caper_jax.data.prm_pipeline import resolve_pad_id
+from caper_jax.models.frozen import frozen_params
 from caper_jax.models.sampler import SamplingConfig, generate
 from caper_jax.parallel import multihost
 from caper_jax.policy import rollout as rollout_lib
 from caper_jax.policy.build import build_policy
-from caper_jax.models.frozen import frozen_params
 from caper_jax.policy.prompts import check_prompt_widths, prompt_batch, stop_token_id
 from caper_jax.utils.optim import make_optimizer
 from caper_jax.rl.losses import AGGREGATIONS
