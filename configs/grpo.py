@@ -74,7 +74,11 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.sampling.top_k = 0
     c.sampling.max_new_tokens = 128 if big else 64
     c.sampling.max_prompt_len = 1920 if big else 192
-    c.sampling.prompt_bucket = 64             # prompt widths are rounded up to this (few compiled shapes)
+    # Prompt widths the sampler pads a step's prompts to (the smallest that holds the longest; the last
+    # is max_prompt_len): each width is one compiled shape of every program of the step. 9B: Spider's
+    # prompts fit 512 (dev: p95 387, max 409 tokens), BIRD's with evidence 1536 (dev: p95 1228, max 1342);
+    # docs/scale.md "The first hour".
+    c.sampling.prompt_widths = (512, 1024, 1536, 1920) if big else (64, 128, 192)
 
     c.rl = ConfigDict()
     c.rl.group_size = 8                       # G completions per prompt

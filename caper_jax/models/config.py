@@ -157,6 +157,8 @@ class Qwen35Config:
             raise ConfigError(f"hidden_act={d['hidden_act']!r}; only silu is implemented")
         if d.get("attention_bias", False):
             raise ConfigError("attention_bias=True is not implemented (Qwen3.5 has no attention bias)")
+        if not d.get("attn_output_gate", True):
+            raise ConfigError("attn_output_gate=False is not implemented (Qwen3.5 gates every attention output)")
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
@@ -201,8 +203,12 @@ class Qwen35Config:
 
     @classmethod
     def qwen35_9b(cls, **overrides: Any) -> "Qwen35Config":
-        """The released 9B text model (DESIGN §4); θ = 1e7 as published. Prefer the checkpoint's config.json."""
-        return cls(**{"rope_theta": 1e7, **overrides})
+        """The released 9B text model: field by field the ``text_config`` of ``Qwen/Qwen3.5-9B``'s
+        config.json (tests/models/fixtures/qwen35_9b_config.json, where it comes from is in the README
+        beside it): θ = 1e7, 262,144 positions, eos 248044 (``<|endoftext|>``), untied head. For real
+        weights prefer the checkpoint's own config.json (``from_hf`` reads it)."""
+        published = dict(rope_theta=1e7, max_position_embeddings=262_144, eos_token_id=248_044)
+        return cls(**{**published, **overrides})
 
     @classmethod
     def tiny(cls, **overrides: Any) -> "Qwen35Config":

@@ -19,11 +19,14 @@ them out, the scoring / update batches split over ``data × fsdp`` (``multihost.
 What is resident while a program runs: its own peak (``argument + output − alias + temp``,
 ``dry_run.report``) plus the step's persistent buffers that are not its arguments — the policy's
 optimizer state (the update holds it as an argument; the sampler does not), the reference params
-(beta > 0) and the Clause-PRM params (variant ≠ sparse). Rollout arrays carried between programs
+(beta > 0) and the Clause-PRM params (variant ≠ sparse), both held as the trainer holds them
+(``frozen_params``: matmul weights in the compute dtype). Rollout arrays carried between programs
 (tokens, masks, log-probs, advantages: a few MB) are left out.
 
 ``plan(config, mesh)`` compiles the five programs once and returns their figures; ``fit`` extrapolates
-a program's memory linearly in rows per device between two compiled batch sizes.
+a program's memory linearly in rows per device between two compiled batch sizes. ``programs_compiled``
+counts the distinct programs a whole run compiles: one of each per prompt width a step meets
+(``sampling.prompt_widths``), and the update once more per width for the steps that do not log.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from caper_jax.models.frozen import frozen_params
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
 from caper_jax.parallel.dry_run import GiB, device_bytes, report
@@ -69,8 +73,10 @@ def _with_shardings(structs: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), structs, shardings)
 
 
-def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) -> dict[str, Any]:
+def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print,
+         update_entropy: bool = True) -> dict[str, Any]:
     """Compiles the GRPO step's programs for ``config`` (configs/grpo.py) on ``mesh``; no weights.
+    ``update_entropy``: the update of a logging step (with the policy's entropy) or of the others.
 
     Returns ``{"programs": {name: ProgramFigures}, "persistent": {name: bytes per device}, "config": ...}``.
     """
@@ -93,14 +99,17 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) 
     use_prm = reward_variant(config.reward.variant).uses_prm
     prm_graphdef = prm_params = None
     if use_prm:  # load_prm builds the PRM run's recorded architecture, which a dry run (reading no run)
-        # takes to be the policy's preset; this run's compute dtype, no remat, as load_prm
+        # takes to be the policy's preset; this run's compute dtype, no remat, held as load_prm holds it
         prm_arch = dry_run_architecture(config, remat="none")
         prm_graphdef, prm_params = rules_lib.abstract_state(
             lambda: ClausePRM(prm_arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules)
+        prm_params = frozen_params(prm_params, arch.dtype, reads_head=False, tied=True)
+    ref_params = (frozen_params(state.params, arch.dtype, reads_head=True, tied=arch.tie_word_embeddings)
+                  if use_ref else None)   # as the trainer's reference_params
     persistent = {
         "policy_params": device_bytes(state.params),
         "optimizer_state": device_bytes(state) - device_bytes(state.params),
-        "reference_params": device_bytes(state.params) if use_ref else 0,
+        "reference_params": device_bytes(ref_params) if use_ref else 0,
         "prm_params": device_bytes(prm_params) if use_prm else 0,
     }
 
@@ -143,9 +152,9 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) 
     ids = _split(mesh, rules, (rows, full), jnp.int32)
     if "prm" in programs and use_prm:
         run("prm", rl_step.prm_token_scores, (prm_params, ids, ids), uses=("prm_params",), tokens=rows * full,
-            n_rows=rows, static={"graphdef": prm_graphdef})
+            n_rows=rows, static={"graphdef": prm_graphdef, "last": new})
     if "reference" in programs and use_ref:
-        run("reference", rl_step.jit_completion_logprobs, (state.params, ids, ids), uses=("reference_params",),
+        run("reference", rl_step.jit_completion_logprobs, (ref_params, ids, ids), uses=("reference_params",),
             tokens=rows * full, n_rows=rows,
             static={"graphdef": graphdef, "completion_len": new, "temperature": float(config.sampling.temperature),
                     "chunk_size": config.chunk_size})
@@ -157,12 +166,46 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print) 
               "advantages": _split(mesh, rules, (minibatch, new), jnp.float32)}
         if use_ref:
             mb["ref_logp"] = _split(mesh, rules, (minibatch, new), jnp.float32)
-        run("update", rl_step.jit_update(graphdef, tx, config, state_sharding), (state, mb),
+        run("update", rl_step.jit_update(graphdef, tx, config, state_sharding, with_entropy=update_entropy),
+            (state, mb),
             uses=("policy_params", "optimizer_state"), tokens=minibatch * full, n_rows=minibatch,
             calls=config.rl.update_epochs * config.rl.num_minibatches)
     return {"programs": figures, "persistent": persistent, "devices": mesh.size, "mesh": dict(mesh.shape),
             "rows": rows, "minibatch_rows": minibatch, "prompt_len": prompt_len, "new_tokens": new,
             "params": sum(x.size for x in jax.tree.leaves(state.params))}
+
+
+def widths_over_run(lengths, config, width_of) -> list[int]:
+    """The prompt width of every step of a run of ``config`` (``optim.total_steps`` steps of
+    ``rl.prompts_per_step`` prompts drawn as the trainer draws them) whose prompts have ``lengths``
+    tokens: ``width_of(longest prompt of the step, cut to max_prompt_len)``."""
+    from caper_jax.rl.trainer import prompt_iterator
+
+    cap = config.sampling.max_prompt_len
+    draws = prompt_iterator(len(lengths), config.rl.prompts_per_step, config.seed)
+    return [width_of(min(cap, max(int(lengths[i]) for i in next(draws)))) for _ in range(config.optim.total_steps)]
+
+
+def rounded_width(multiple: int, max_prompt_len: int):
+    """The width rule before the ladder: the longest prompt rounded up to ``multiple``, at most
+    ``max_prompt_len`` (kept to report a run's program count before -> after)."""
+    return lambda longest: min(max_prompt_len, -(-longest // multiple) * multiple)
+
+
+def programs_compiled(widths: list[int], config, *, entropy_every_step: bool = False) -> dict[str, int]:
+    """Distinct device programs a run compiles, per kind, given each step's prompt width: the sampler's
+    prefill and decode, the PRM and the reference once per width; the update once per width and
+    entropy variant (logging steps compute the entropy, the others do not; ``entropy_every_step``: every
+    update computed it, as before ``is_logging_step``)."""
+    from caper_jax.rl.rewards import reward_variant
+    from caper_jax.rl.trainer import is_logging_step
+
+    per_width = len(set(widths))
+    variants = {(w, True if entropy_every_step else is_logging_step(config, step))
+                for step, w in enumerate(widths, start=1)}
+    return {"prefill": per_width, "decode": per_width,
+            "prm": per_width if reward_variant(config.reward.variant).uses_prm else 0,
+            "reference": per_width if config.rl.beta > 0 else 0, "update": len(variants)}
 
 
 def fit(small: dict[str, Any], large: dict[str, Any], name: str) -> tuple[float, float]:

@@ -36,10 +36,17 @@ class ClausePRM(nnx.Module):
         self.score_head = nnx.Param(init(rngs.params(), (config.hidden_size,), jnp.float32),
                                     out_sharding=("embed",), eager_sharding=False)
 
-    def token_scores(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
-        """[B, T] fp32 score of every prefix (the value of the partial query ending at each token)."""
+    def token_scores(self, input_ids: jax.Array, attention_mask: jax.Array, last: int | None = None) -> jax.Array:
+        """fp32 score of every prefix (the value of the partial query ending at each token): [B, T], or
+        [B, last] for the last ``last`` positions only (GRPO reads the completion's).
+
+        The positions are taken from the compute-dtype hidden states first and only those meet the fp32
+        head (fp32 products and accumulation): no [B, T, H] fp32 copy of the hidden states.
+        """
         h = self.backbone.hidden_states(input_ids, attention_mask)
-        return jnp.einsum("bth,h->bt", h.astype(jnp.float32), self.score_head[...])
+        if last is not None:
+            h = h[:, h.shape[1] - last:]
+        return jnp.einsum("bth,h->bt", h, self.score_head[...], preferred_element_type=jnp.float32)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, positions: jax.Array) -> jax.Array:
         """Scores at ``positions`` ([B] or [B, K] token indices; negative entries give 0)."""

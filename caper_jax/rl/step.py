@@ -28,15 +28,20 @@ def updates_per_step(config) -> int:
 
 
 def update_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientTransformation, beta: float,
-                agg: str, eps_low: float, eps_high: float, temperature: float, chunk_size: int
-                ) -> tuple[TrainState, dict]:
-    """One GRPO optimizer step on a minibatch; refuses (keeps the state) on a non-finite loss/gradient."""
+                agg: str, eps_low: float, eps_high: float, temperature: float, chunk_size: int,
+                with_entropy: bool = True) -> tuple[TrainState, dict]:
+    """One GRPO optimizer step on a minibatch; refuses (keeps the state) on a non-finite loss/gradient.
+
+    ``with_entropy``: also compute the policy's entropy, a metric only (no term of the loss), so the
+    trainer asks for it on logging steps alone: off, the program has no entropy in it (one
+    ``[B, chunk, V]`` product and reduction per chunk fewer, forward and backward)."""
     completion_len = batch["completion_mask"].shape[1]
 
     def loss_fn(params):
-        logp, entropy = completion_logprobs(params, batch["input_ids"], batch["attention_mask"], graphdef=graphdef,
-                                            completion_len=completion_len, temperature=temperature,
-                                            chunk_size=chunk_size, return_entropy=True)
+        out = completion_logprobs(params, batch["input_ids"], batch["attention_mask"], graphdef=graphdef,
+                                  completion_len=completion_len, temperature=temperature,
+                                  chunk_size=chunk_size, return_entropy=with_entropy)
+        logp, entropy = out if with_entropy else (out, None)
         return grpo_loss(logp, batch["old_logp"], batch.get("ref_logp"), batch["advantages"],
                          batch["completion_mask"], eps_low=eps_low, eps_high=eps_high, beta=beta, agg=agg,
                          entropy=entropy)
@@ -46,14 +51,15 @@ def update_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientT
     return new_state, {**guard, **metrics}
 
 
-def jit_update(graphdef, tx, config, state_sharding=None):
-    """The jitted update for ``config`` (state donated), cached per process (``loop.jit_state_step``)."""
+def jit_update(graphdef, tx, config, state_sharding=None, *, with_entropy: bool = True):
+    """The jitted update for ``config`` (state donated), cached per process (``loop.jit_state_step``);
+    ``with_entropy`` as ``update_step``'s (the trainer holds both: logging steps and the others)."""
     update = functools.partial(
         update_step, graphdef=graphdef, tx=tx, beta=float(config.rl.beta), agg=config.rl.agg,
         eps_low=float(config.rl.eps_low), eps_high=float(config.rl.eps_high),
-        temperature=float(config.sampling.temperature), chunk_size=config.chunk_size)
+        temperature=float(config.sampling.temperature), chunk_size=config.chunk_size, with_entropy=with_entropy)
     key = ("grpo", graphdef, loop.frozen(config.optim), loop.frozen(config.rl), float(config.sampling.temperature),
-           int(config.chunk_size))
+           int(config.chunk_size), bool(with_entropy))
     return loop.jit_state_step(update, key, state_sharding)
 
 
@@ -65,10 +71,11 @@ def jit_completion_logprobs(params, input_ids, attention_mask, *, graphdef, comp
                                temperature=temperature, chunk_size=chunk_size)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def prm_token_scores(params, input_ids, attention_mask, *, graphdef):
-    """The frozen Clause-PRM's ``[B, T]`` per-prefix scores in one forward."""
-    return nnx.merge(graphdef, params).token_scores(input_ids, attention_mask)
+@functools.partial(jax.jit, static_argnames=("graphdef", "last"))
+def prm_token_scores(params, input_ids, attention_mask, *, graphdef, last: int | None = None):
+    """The frozen Clause-PRM's per-prefix scores in one forward: ``[B, T]``, or ``[B, last]`` for the last
+    ``last`` positions (the completion's: only those meet the score head)."""
+    return nnx.merge(graphdef, params).token_scores(input_ids, attention_mask, last)
 
 
 @functools.partial(jax.jit, static_argnames=("variant", "group_size", "scale_by_std"))

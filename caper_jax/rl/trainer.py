@@ -31,11 +31,12 @@ from flax import nnx
 from caper_jax import loop, runs
 from caper_jax.data.prm_pipeline import resolve_pad_id
 from caper_jax.models import Qwen35ForCausalLM
+from caper_jax.models.frozen import frozen_params
 from caper_jax.models.sampler import SamplingConfig, generate
 from caper_jax.parallel import multihost
 from caper_jax.policy import rollout as rollout_lib
 from caper_jax.policy.build import build_policy
-from caper_jax.policy.prompts import prompt_batch, stop_token_id
+from caper_jax.policy.prompts import check_prompt_widths, prompt_batch, stop_token_id
 from caper_jax.prm.model import ClausePRM
 from caper_jax.utils.optim import make_optimizer
 from caper_jax.rl.losses import AGGREGATIONS
@@ -83,13 +84,29 @@ def check_runs(config) -> None:
 
 
 def load_prm(config, vocab_size: int, mesh, rules):
-    """The frozen Clause-PRM of a PRM run (``prm.workdir``), in this run's compute dtype."""
+    """The frozen Clause-PRM of a PRM run (``prm.workdir``), computing in this run's compute dtype:
+    ``(graphdef, params)`` with its matmul weights held in that dtype (``frozen_params``: the same
+    scores as the stored fp32 weights, half their memory)."""
     run = runs.load_run(config.prm.workdir, module=ClausePRM, mesh=mesh, rules=rules, step=config.prm.ckpt,
                         trainers=("prm",), dtype=config.model.dtype)
-    prm = run.model
-    runs.check_vocab("PRM", prm.config.vocab_size, vocab_size)
+    runs.check_vocab("PRM", run.model.config.vocab_size, vocab_size)
     multihost.log_main("Clause-PRM: %s step %d", config.prm.workdir, run.step)
-    return prm
+    graphdef, stored = nnx.split(run.model)
+    del run
+    return graphdef, frozen_params(stored, config.model.dtype, reads_head=False, tied=True)
+
+
+def reference_params(params, dtype: str, *, tied: bool):
+    """The frozen reference policy: a copy of the starting ``params`` (the train state is donated) with
+    its matmul weights in the compute ``dtype``; the LM head (or the tied embedding) as stored:
+    ``token_logprobs`` reads it in fp32, so the reference's log-probs equal the starting policy's."""
+    return frozen_params(params, dtype, reads_head=True, tied=tied)
+
+
+def is_logging_step(config, step: int) -> bool:
+    """The steps whose metrics ``loop.Run.train`` logs (and the GRPO row reads): every ``log_every``-th and
+    the last. Only their updates compute the policy's entropy."""
+    return step % config.log_every == 0 or step == config.optim.total_steps
 
 
 # -- data
@@ -157,6 +174,13 @@ def validate(config) -> None:
                    config.sampling.top_p)
     if config.reward.semantics not in ("spider", "bird"):
         raise ValueError(f"reward.semantics={config.reward.semantics!r}; expected spider or bird")
+    check_prompt_widths(config.sampling.prompt_widths, config.sampling.max_prompt_len)
+    if config.data.schema_values and variant.uses_prm:
+        # The PRM scores the policy's prompt + SQL as it was trained: on tuples, whose schema text never
+        # lists values (the annotator serialises schemas with 0). Another schema text is off its data.
+        raise ValueError(f"data.schema_values={config.data.schema_values} with reward.variant="
+                         f"{config.reward.variant!r}: the Clause-PRM was trained on schemas without values "
+                         f"(its tuples always use 0); set data.schema_values=0 or use reward.variant=sparse")
 
 
 def reward_config(config) -> rollout_lib.RewardConfig:
@@ -186,15 +210,17 @@ def run(config, workdir: str) -> dict:
     policy = load_policy(config, vocab, mesh, rules)
     tx = make_optimizer(config.optim, updates_per_step(config))   # the schedule counts steps, not updates
     graphdef, state, state_sharding = loop.create_state(policy, tx, mesh, rules)
-    ref_params = state.params if config.rl.beta > 0 else None  # the starting point, before any update
-    if ref_params is not None:
-        ref_params = jax.tree.map(jnp.copy, ref_params)  # the state is donated; the reference must survive
+    # The starting point, before any update, copied (the state is donated) in the compute dtype.
+    ref_params = (reference_params(state.params, config.model.dtype, tied=policy.config.tie_word_embeddings)
+                  if config.rl.beta > 0 else None)
     run_record = runs.record(policy.config, world.tokenizer_dir)   # saved with every checkpoint
     del policy
-    prm = load_prm(config, vocab, mesh, rules) if reward_variant(config.reward.variant).uses_prm else None
-    if prm is not None:
-        prm_graphdef, prm_params = nnx.split(prm)
-    update = jit_update(graphdef, tx, config, state_sharding)
+    uses_prm = reward_variant(config.reward.variant).uses_prm
+    prm_graphdef, prm_params = load_prm(config, vocab, mesh, rules) if uses_prm else (None, None)
+    # Two variants of the update: with the policy's entropy (a metric) on logging steps, without on the others.
+    update = {logging: jit_update(graphdef, tx, config, state_sharding, with_entropy=logging)
+              for logging in (True, False)}
+    widths = check_prompt_widths(config.sampling.prompt_widths, config.sampling.max_prompt_len)
     sampling = SamplingConfig(config.sampling.max_new_tokens, config.sampling.temperature, config.sampling.top_k,
                               config.sampling.top_p, stop_tokens=stop_tokens, pad_id=pad_id)
     reward_cfg = reward_config(config)
@@ -211,7 +237,7 @@ def run(config, workdir: str) -> dict:
         t_start = time.perf_counter()
         indices = np.repeat(np.asarray(next(data_iter)), group)  # consecutive rows = one group
         prompt_ids, prompt_mask = prompt_batch([prompts[i] for i in indices], tokenizer, config.sampling.max_prompt_len,
-                                               multiple=config.sampling.prompt_bucket, pad_id=pad_id)
+                                               pad_id=pad_id, widths=widths)
         output = generate(nnx.merge(graphdef, state.params), jnp.asarray(prompt_ids), jnp.asarray(prompt_mask),
                           jax.random.fold_in(base_key, step), sampling)
         jax.block_until_ready(output)
@@ -227,9 +253,9 @@ def run(config, workdir: str) -> dict:
              "clause_ends": rollout.clause_ends, "exec_rewards": rollout.exec_rewards,
              "parse_ok": rollout.parse_ok}, mesh, rules)
         n_new = rollout.completion_mask.shape[1]
-        if prm is not None:
+        if uses_prm:
             prm_scores = prm_token_scores(prm_params, batch["input_ids"], batch["attention_mask"],
-                                          graphdef=prm_graphdef)[:, -n_new:]
+                                          graphdef=prm_graphdef, last=n_new)
         else:
             prm_scores = jnp.zeros(batch["completion_mask"].shape, jnp.float32)
         jax.block_until_ready(prm_scores)   # so the PRM's time is its own, not the update's
@@ -249,9 +275,10 @@ def run(config, workdir: str) -> dict:
         t_prepared = time.perf_counter()
 
         updates = []
+        update_fn = update[is_logging_step(config, step)]
         for _ in range(config.rl.update_epochs):
             for minibatch in _minibatches(train_batch, config.rl.num_minibatches):
-                state, m = update(state, minibatch)
+                state, m = update_fn(state, minibatch)
                 updates.append(m)
         state = state.replace(step=state.step + 1)
         jax.block_until_ready(state)
@@ -314,8 +341,6 @@ def run(config, workdir: str) -> dict:
 
 def dry_run(config) -> dict:
     """Lower + compile the GRPO update on abstract shapes for the current devices; no weights."""
-    from caper_jax.models import Qwen35ForCausalLM
-
     rows = config.rl.prompts_per_step * config.rl.group_size // config.rl.num_minibatches
     full, new = config.sampling.max_prompt_len + config.sampling.max_new_tokens, config.sampling.max_new_tokens
 
@@ -327,6 +352,14 @@ def dry_run(config) -> dict:
             batch["ref_logp"] = struct((rows, new), jnp.float32)
         return batch
 
+    widths = check_prompt_widths(config.sampling.prompt_widths, config.sampling.max_prompt_len)
+    kinds = ["prefill", "decode"] + (["PRM"] if reward_variant(config.reward.variant).uses_prm else []) + \
+        (["reference"] if config.rl.beta > 0 else []) + ["update"]
+    updates = 2 if config.log_every > 1 and config.optim.total_steps > 1 else 1   # with / without the entropy
+    print(f"prompt widths {list(widths)}: a run compiles at most {len(widths) * (len(kinds) - 1 + updates)} step "
+          f"programs ({', '.join(kinds)}{' x 2' if updates == 2 else ''}, one per width); compiled here: the "
+          f"update at the widest ({config.sampling.max_prompt_len}). Programs of a run on real prompts: "
+          f"bench/dry_run_grpo.py --count_programs")
     return loop.dry_run(
         config, Qwen35ForCausalLM, lambda graphdef, tx: jit_update(graphdef, tx, config), batch,
         f"GRPO update: preset {config.model.preset}, minibatch {rows} x ({config.sampling.max_prompt_len} + "

@@ -18,6 +18,7 @@ def _child() -> dict:
     from configs.grpo import get_config
 
     config = get_config("model=tiny,variant=clause")
+    config.model.dtype = "bfloat16"   # as the 9B config: the frozen PRM and reference held in bf16
     config.prm.workdir = "(dry run)"
     config.sampling.max_prompt_len, config.sampling.max_new_tokens = 16, 4
     config.rl.group_size, config.rl.prompts_per_step, config.rl.num_minibatches = 2, 2, 2
@@ -41,7 +42,10 @@ def test_grpo_step_programs_and_resident_memory():
     assert result["rows"] == 4 and result["minibatch_rows"] == 2 and result["devices"] == 2
     # fp32 AdamW: two moments per parameter (plus a few counters); the reference is a copy of the policy.
     assert 2 * persistent["policy_params"] <= persistent["optimizer_state"] < 2 * persistent["policy_params"] + 64
-    assert persistent["reference_params"] == persistent["policy_params"] and persistent["prm_params"] > 0
+    # The reference and the PRM keep their matmul weights in the bf16 compute dtype (frozen_params): a little
+    # over half the fp32 policy's bytes (norms, A_log, dt_bias, the LM head / score head stay fp32).
+    assert 0.5 * persistent["policy_params"] < persistent["reference_params"] < 0.75 * persistent["policy_params"]
+    assert 0 < persistent["prm_params"] < 0.6 * persistent["policy_params"]
     uses = {"prefill": {"policy_params"}, "decode": {"policy_params"}, "prm": {"prm_params"},
             "reference": {"reference_params"}, "update": {"policy_params", "optimizer_state"}}
     for name, figures in programs.items():
@@ -50,6 +54,8 @@ def test_grpo_step_programs_and_resident_memory():
         assert figures["matmul_flops"] > 0, name
     assert programs["prefill"]["tokens"] == 4 * 16 and programs["decode"]["tokens"] == 4 * 3
     assert programs["prm"]["tokens"] == programs["reference"]["tokens"] == 4 * 20
+    # The PRM program's output: the 4 completions' scores only, [4, 4] fp32 (not [4, 20]).
+    assert programs["prm"]["memory"]["output_bytes"] <= 4 * 4 * 4
     assert programs["update"]["rows"] == 2 and programs["update"]["calls"] == 2 * result["update_epochs"]
     # The decode loop's FLOPs are one token step x 3 trips: below the 20-token forward of the reference.
     assert programs["decode"]["matmul_flops"] < programs["reference"]["matmul_flops"]
