@@ -53,13 +53,18 @@ from caper_jax.data import prm_pipeline as pp  # noqa: E402
 from caper_jax.data.spider import load_schemas, load_split  # noqa: E402
 from caper_jax.sql.clauses import SqlParseError, split_clauses  # noqa: E402
 from caper_jax.sql.contract import END_OF_SQL, policy_prompt, prompt_question, serialize_schema  # noqa: E402
+from configs import grpo as grpo_config, prm as prm_config  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 QUANTILES = (50, 95, 99, 100)
 MULTIPLE = 64
-# What the 9B configs use today (configs/prm.py, configs/sft.py, configs/grpo.py at model=qwen35_9b).
-CONFIG_LADDER = (512, 1024, 2048)            # PRM and SFT data.bucket_lengths; data.max_len 2048
-GRPO_MAX_PROMPT, GRPO_BUCKET, GRPO_PROMPTS_PER_STEP, GRPO_NEW_TOKENS = 1920, 64, 32, 128
+# What the 9B configs use today, read from them (configs/prm.py, configs/grpo.py at model=qwen35_9b).
+_PRM_9B, _GRPO_9B = prm_config.get_config("model=qwen35_9b"), grpo_config.get_config("model=qwen35_9b")
+CONFIG_LADDER = tuple(_PRM_9B.data.bucket_lengths)      # PRM (and SFT) data.bucket_lengths
+GRPO_LADDER = tuple(_GRPO_9B.sampling.prompt_widths)     # GRPO's prompt widths
+GRPO_MAX_PROMPT, GRPO_PROMPTS_PER_STEP = _GRPO_9B.sampling.max_prompt_len, _GRPO_9B.rl.prompts_per_step
+GRPO_NEW_TOKENS = _GRPO_9B.sampling.max_new_tokens
+GRPO_BUCKET = 64                             # the rounding GRPO used before its width ladder (issue 47)
 GRPO_STEPS = 500                             # optim.total_steps: the rollouts of one run
 
 
@@ -159,7 +164,8 @@ def batch_maxima(prompt_lengths, epochs: int = 20, batch: int = GRPO_PROMPTS_PER
 
 
 def grpo_config_ladder(max_prompt: int = GRPO_MAX_PROMPT, multiple: int = GRPO_BUCKET) -> tuple[int, ...]:
-    """The widths ``policy.prompts.prompt_batch`` rounds to today: multiples of 64 up to max_prompt_len."""
+    """The widths ``policy.prompts.prompt_batch`` rounded to before its ladder: multiples of 64 up to
+    max_prompt_len (the baseline the ladders are compared with)."""
     return tuple(range(multiple, max_prompt + 1, multiple))
 
 
@@ -382,7 +388,8 @@ def main(argv=None) -> int:
           f"the bucket of the rollout's longest prompt (sequence = width + {GRPO_NEW_TOKENS} new tokens)")
     rollouts = {}
     maxima = np.concatenate([batch_maxima(v["prompt"]) for v in measured.values()])
-    ladders = {"today (multiples of 64 to 1920)": grpo_config_ladder(),
+    ladders = {"today (multiples of 64 to 1920, before the ladder)": grpo_config_ladder(),
+               f"today's configs/grpo.py {GRPO_LADDER}": GRPO_LADDER,
                **{f"best {k} for rollout maxima, top kept": best_ladder(maxima, k, top=GRPO_MAX_PROMPT)
                   for k in (3, 4, 5, 6)},
                **{f"best {k} per prompt, top kept": tuple(report["ladders"]["grpo"]["best_top_kept"][k]["ladder"])

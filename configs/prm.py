@@ -36,7 +36,8 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.data.train_split = "train"
     c.data.eval_split = "dev"
     c.data.max_len = 384 if arg.model != "qwen35_9b" else 2048
-    c.data.bucket_lengths = (128, 192, 384) if arg.model != "qwen35_9b" else (512, 1024, 2048)
+    # 9B: fitted to Qwen3.5-tokenised Spider and BIRD lengths (docs/tokenizer.md, bench/seq_lengths.py).
+    c.data.bucket_lengths = (128, 192, 384) if arg.model != "qwen35_9b" else (192, 384, 768, 2048)
     c.data.batch_size = {"tiny": 8, "small": 16}.get(arg.model, 64)   # global, in pairs
     # Within-trajectory tuples of one negative query share ONE forward pass of that query (same loss,
     # fewer sequences; docs/pipeline.md "Within-trajectory groups"): this many negatives per global

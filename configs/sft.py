@@ -38,7 +38,8 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.data.train_split = "train"
     c.data.eval_split = "dev"
     c.data.max_len = 2048 if big else 256     # prompt + SQL + stop; prompts are cut from the left
-    c.data.bucket_lengths = (512, 1024, 2048) if big else (128, 192, 256)
+    # 9B: fitted to Qwen3.5-tokenised Spider and BIRD lengths (docs/tokenizer.md, bench/seq_lengths.py).
+    c.data.bucket_lengths = (192, 384, 768, 2048) if big else (128, 192, 256)
     c.data.batch_size = 64 if big else 16     # global, in sequences
     c.data.schema_values = 0                  # frequent text values per column in the schema prompt
     c.data.demo_train_size = 1200
