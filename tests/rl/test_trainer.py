@@ -5,7 +5,11 @@
   completion with the higher reward gains log-probability.
 * sparse / token / clause runs of 2 steps on a small demo world (tiny random policy, a Clause-PRM run
   written here through the same Checkpointer the PRM trainer uses) write metrics and checkpoints, and
-  a rerun with more steps resumes from the last checkpoint instead of starting over.
+  a rerun with more steps resumes from the last checkpoint instead of starting over; the PRM scores the
+  reward layout gets are the PRM's own scores of the sampled prefixes.
+* On one forced rollout (two-clause completions put in place of the sampler's), GRPO reads the PRM at
+  each clause's last token, and the clause variant's advantages are the hand-computed clause layout's
+  while sparse's are the group-normalised execution reward alone.
 """
 from __future__ import annotations
 
