@@ -45,15 +45,35 @@ def test_backbone_has_no_lm_head(setup):
 
 
 def test_learns_a_fixed_batch(setup):
-    _, _, params, tx, train, _, _ = setup
-    state = init_state(jax.tree.map(jnp.copy, params), tx)
+    """The first step's loss (its metrics are those before the update) is the margin-weighted Bradley-Terry
+    loss of the head read from the backbone's hidden states at each row's own chosen and rejected
+    positions, the padding row left out; then the step learns the batch."""
+    model, graphdef, params, tx, train, _, _ = setup
     batch = make_batch(np.random.default_rng(0))
+    batch["margin"] = np.array([0.15, 0.5, 0.85, 9.0], np.float32)
+    batch["weight"] = np.array([1.0, 1.0, 1.0, 0.0], np.float32)        # a padding row, whatever its margin
+    batch["chosen_pos"] = np.array([20, 11, 16, 8], np.int32)
+    batch["rejected_pos"] = np.array([17, 20, 6, 13], np.int32)
+    backbone = jax.jit(lambda p, ids, mask: nnx.merge(graphdef, p).backbone.hidden_states(ids, mask))
+    hidden = np.asarray(backbone(params, np.concatenate([batch["chosen_ids"], batch["rejected_ids"]]),
+                                 np.concatenate([batch["chosen_mask"], batch["rejected_mask"]])), np.float64)
+    head = np.asarray(model.score_head[...], np.float64)
+
+    def scores(side):
+        rows = np.arange(4) + (4 if side == "rejected" else 0)
+        return hidden[rows, batch[f"{side}_pos"]] @ head
+
+    gap = scores("chosen") - scores("rejected")
+    per_row = batch["margin"] / PairLossConfig().alpha * np.log1p(np.exp(-gap))     # -w(delta) log sigmoid(gap)
+    expected = (per_row * batch["weight"]).sum() / batch["weight"].sum()
+    state = init_state(jax.tree.map(jnp.copy, params), tx)
     losses = []
     for _ in range(30):
         state, m = train(state, batch)
         losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses[0], expected, rtol=1e-4)
     assert losses[-1] < 0.5 * losses[0], losses
-    assert float(m["accuracy"]) == 1.0
+    assert float(m["accuracy"]) == 1.0       # of the three real rows
     assert int(state.step) == 30 and int(state.nonfinite) == 0
 
 

@@ -119,14 +119,29 @@ def test_groups_are_independent():
     assert not np.allclose(np.asarray(moved)[:2], np.asarray(base)[:2])
 
 
-def test_gamma_is_traceable():
-    grad = jax.grad(lambda g: run_traced(g).sum())(0.5)
-    assert np.isfinite(grad) and grad != 0.0
+@pytest.mark.parametrize("gamma", [0.5, 0.9])
+def test_gamma_is_traceable(gamma):
+    """A traced gamma (one jitted program for every discount, or a learnt discount) gives the naive loop's
+    advantages and their exact derivative in gamma: a central finite difference of the float64 loop."""
+    rng = np.random.default_rng(3)
+    cases = [(REWARDS, CLAUSE_MASK, TOKEN_CLAUSE, TOKEN_MASK, 2)]
+    clause_mask = np.arange(6)[None] < rng.integers(0, 7, 8)[:, None]         # ragged rows
+    cases.append((rng.normal(size=(8, 6)).astype(np.float32), clause_mask,
+                  rng.integers(-1, 7, (8, 15)).astype(np.int32), rng.random((8, 15)) < 0.8, 4))
+    for rewards, mask, token_clause, token_mask, group in cases:
+        def advantages(g):
+            return clause_advantages(jnp.asarray(rewards), jnp.asarray(mask), jnp.asarray(token_clause),
+                                     jnp.asarray(token_mask), group_size=group, gamma=g)
 
+        def naive(g):
+            return naive_advantages(rewards.astype(np.float64), mask, token_clause, token_mask, group, g)
 
-def run_traced(gamma):
-    return clause_advantages(jnp.asarray(REWARDS), jnp.asarray(CLAUSE_MASK), jnp.asarray(TOKEN_CLAUSE),
-                             jnp.asarray(TOKEN_MASK), group_size=2, gamma=gamma)
+        np.testing.assert_allclose(np.asarray(jax.jit(advantages)(gamma)), naive(gamma), rtol=2e-5, atol=2e-5)
+        derivative = np.asarray(jax.jacfwd(advantages)(gamma))
+        h = 1e-5
+        expected = (naive(gamma + h) - naive(gamma - h)) / (2 * h)
+        assert np.abs(expected).max() > 0.5          # the discount moves these advantages
+        np.testing.assert_allclose(derivative, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_bad_input_raises():

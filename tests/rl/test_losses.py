@@ -138,13 +138,34 @@ def test_bad_input_raises():
         grpo_loss(x, x, x, jnp.zeros((2, 4)), x)
 
 
+def bandit_advantages(variant, tokens, group_size):
+    """float64 reference of the bandit's token advantages, from its rules alone: sparse gives every token
+    of a row its group-normalised execution reward; clause has two units, rewarded with the PRM score of
+    each token's prefix (plus the execution reward on the last), normalised over all units of the group,
+    and each token's advantage is the return-to-go (gamma 1) from its own unit."""
+    right = tokens == np.array([1, 3])
+    exec_reward = right.all(axis=1).astype(np.float64)
+    if variant == "sparse":
+        units = exec_reward[:, None]
+    else:
+        units = np.stack([right[:, 0], right.all(axis=1) + exec_reward], axis=1).astype(np.float64)
+    grouped = units.reshape(-1, group_size * units.shape[1])
+    normalised = ((grouped - grouped.mean(1, keepdims=True)) / (grouped.std(1, keepdims=True) + 1e-6)
+                  ).reshape(units.shape)
+    if variant == "sparse":
+        return np.repeat(normalised, 2, axis=1)
+    return np.stack([normalised[:, 0] + normalised[:, 1], normalised[:, 1]], axis=1)
+
+
 @pytest.mark.parametrize("variant", ["sparse", "clause"])  # "token" equals "clause" here
 def test_pipeline_learns_a_two_clause_bandit(variant):
     """layout_rewards -> clause_advantages -> token_logprobs -> grpo_loss on a toy policy.
 
     Two "clauses" of one token each; the query is right when token 0 is 1 and token 1 is 3 (prob 1/16
-    under the uniform start). The PRM scores token 0's prefix by whether token 0 is right. Whatever the
-    variant, GRPO steps must drive the success rate from 1/16 to near 1.
+    under the uniform start). The PRM scores token 0's prefix by whether token 0 is right. The first
+    step's advantages are the variant's (``bandit_advantages``: under ``clause`` token 0 of a query whose
+    token 1 is wrong is credited for being right), and whatever the variant, GRPO steps must drive the
+    success rate from 1/16 to near 1.
     """
     from caper_jax.policy.logprobs import token_logprobs
     from caper_jax.rl import clause_advantages, layout_rewards
@@ -171,10 +192,15 @@ def test_pipeline_learns_a_two_clause_bandit(variant):
             logp = token_logprobs(hidden, w, tokens, 1)
             return grpo_loss(logp, old, old, adv, mask, beta=0.0, agg="token-mean")[0]
 
-        return head - 2.0 * jax.grad(loss_fn)(head), exec_reward.mean()  # plain SGD, lr 2
+        return head - 2.0 * jax.grad(loss_fn)(head), tokens, adv  # plain SGD, lr 2
 
     head = jnp.zeros((2, vocab))
-    for key in jax.random.split(jax.random.key(0), 25):
-        head, _ = step(head, key)
+    for i, key in enumerate(jax.random.split(jax.random.key(0), 25)):
+        head, tokens, adv = step(head, key)
+        if i == 0:
+            expected = bandit_advantages(variant, np.asarray(tokens), group_size)
+            np.testing.assert_allclose(np.asarray(adv), expected, rtol=1e-4, atol=1e-5)
+            half_right = (np.asarray(tokens) == [1, 3]).tolist().count([True, False])
+            assert half_right >= 8   # rows where the variants' credit for token 0 differs in sign
     probs = jax.nn.softmax(head, axis=-1)
     assert float(probs[0, 1] * probs[1, 3]) > 0.8

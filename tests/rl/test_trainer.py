@@ -5,7 +5,11 @@
   completion with the higher reward gains log-probability.
 * sparse / token / clause runs of 2 steps on a small demo world (tiny random policy, a Clause-PRM run
   written here through the same Checkpointer the PRM trainer uses) write metrics and checkpoints, and
-  a rerun with more steps resumes from the last checkpoint instead of starting over.
+  a rerun with more steps resumes from the last checkpoint instead of starting over; the PRM scores the
+  reward layout gets are the PRM's own scores of the sampled prefixes.
+* On one forced rollout (two-clause completions put in place of the sampler's), GRPO reads the PRM at
+  each clause's last token, and the clause variant's advantages are the hand-computed clause layout's
+  while sparse's are the group-normalised execution reward alone.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from flax import nnx
 from caper_jax.utils.optim import init_state, make_optimizer
 from caper_jax.rl import step as rl_step
 from caper_jax.rl import trainer as T
+from caper_jax.rl.step import advantages_from_rewards
 from caper_jax.utils.monitoring import read_metrics
 from tests.sft import persistent_compile_cache
 
@@ -148,14 +153,77 @@ def prm_run(tmp_path_factory, world):
     return workdir
 
 
+def prm_prefix_scores(vocab_size: int, prompt_ids, prompt_mask, tokens, ends) -> np.ndarray:
+    """The Clause-PRM's score of each prefix ``prompt + completion[:e + 1]`` for ``(row, e)`` in ``ends``: every
+    prefix alone (no left padding, nothing after it) through the PRM rebuilt as the ``prm_run`` fixture
+    builds it, read at its last token. The reference for what the trainer hands to ``layout_rewards``."""
+    from caper_jax.models.presets import model_preset
+    from caper_jax.prm.model import ClausePRM
+
+    graphdef, params = nnx.split(ClausePRM(model_preset("tiny", vocab_size=vocab_size), rngs=nnx.Rngs(3)))
+    prefixes = [[*prompt_ids[b][prompt_mask[b] > 0], *tokens[b, :e + 1]] for b, e in ends]
+    ids = np.zeros((len(prefixes), max(map(len, prefixes))), np.int32)
+    mask = np.zeros_like(ids)
+    for i, prefix in enumerate(prefixes):
+        ids[i, :len(prefix)], mask[i, :len(prefix)] = prefix, 1
+    score = jax.jit(lambda p, i, m, at: nnx.merge(graphdef, p)(i, m, at))
+    return np.asarray(score(params, ids, mask, mask.sum(1) - 1))
+
+
+class Recorder:
+    """Wraps the trainer's sampler and ``advantages_from_rewards``: what each step sampled and what it handed
+    to the reward layout (PRM scores, execution rewards, parse flags) and got back (token advantages)."""
+
+    def __init__(self, monkeypatch, forced: list[list[int]] | None = None):
+        self.samples, self.calls, self.forced = [], [], forced
+        monkeypatch.setattr(T, "generate", self.generate)
+        monkeypatch.setattr(T, "advantages_from_rewards", self.advantages)
+
+    def generate(self, model, prompt_ids, prompt_mask, key, sampling):
+        """The real sampler, or (``forced``) the given completions with log-probs 0."""
+        from caper_jax.models.sampler import SampleOutput, generate
+
+        if self.forced is None:
+            output = generate(model, prompt_ids, prompt_mask, key, sampling)
+        else:
+            rows = prompt_ids.shape[0]
+            tokens = np.full((rows, sampling.max_new_tokens), sampling.pad_id, np.int32)
+            for b in range(rows):
+                tokens[b, :len(self.forced[b])] = self.forced[b]
+            output = SampleOutput(jnp.asarray(tokens), jnp.asarray([len(f) for f in self.forced], jnp.int32),
+                                  jnp.zeros(tokens.shape, jnp.float32))
+        self.samples.append(dict(prompt_ids=np.asarray(prompt_ids), prompt_mask=np.asarray(prompt_mask),
+                                 tokens=np.asarray(output.tokens), lengths=np.asarray(output.lengths)))
+        return output
+
+    def advantages(self, prm_scores, clause_ends, exec_rewards, completion_mask, parse_ok, **settings):
+        adv, stats = advantages_from_rewards(prm_scores, clause_ends, exec_rewards, completion_mask, parse_ok,
+                                             **settings)
+        self.calls.append(dict(prm_scores=np.asarray(prm_scores), exec_rewards=np.asarray(exec_rewards),
+                               parse_ok=np.asarray(parse_ok), completion_mask=np.asarray(completion_mask),
+                               advantages=np.asarray(adv)))
+        return adv, stats
+
+
 @pytest.mark.slow   # an end-to-end run or a large compile: CI runs it, `-m "not slow"` skips it
 @pytest.mark.parametrize("variant,beta", [("sparse", 0.0), ("token", 0.0), ("clause", 0.04)])
-def test_end_to_end_and_resume(variant, beta, world, prm_run, tmp_path):
+def test_end_to_end_and_resume(variant, beta, world, prm_run, tmp_path, monkeypatch):
+    """Sampled rollouts (a random policy's: its completions need not parse); the PRM scores the layout gets
+    are the PRM's scores of the sampled completion's prefixes (none for sparse)."""
     config = e2e_config(world[0], variant, beta)
     config.prm.workdir = str(prm_run) if variant != "sparse" else ""
     T.validate(config)
+    recorder = Recorder(monkeypatch)
     results = T.run(config, str(tmp_path))
     assert results["eval/n"] == 2 and 0.0 <= results["eval/greedy_ex"] <= 1.0
+    sample, call = recorder.samples[0], recorder.calls[0]
+    if variant == "sparse":
+        assert not call["prm_scores"].any()
+    else:
+        positions = [(b, t) for b in range(2) for t in range(int(sample["lengths"][b]))]
+        expected = prm_prefix_scores(len(world[1]), sample["prompt_ids"], sample["prompt_mask"], sample["tokens"],
+                                     positions)
+        np.testing.assert_allclose([call["prm_scores"][b, t] for b, t in positions], expected, rtol=1e-3, atol=1e-3)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     train_rows = [r for r in rows if "rollout/reward_mean" in r]
     assert [r["step"] for r in train_rows] == [1, 2]
@@ -180,6 +248,99 @@ def test_end_to_end_and_resume(variant, beta, world, prm_run, tmp_path):
     assert steps == [1, 2, 3], "the rerun must resume at step 3, not start over"
     assert (tmp_path / "checkpoints" / "3").is_dir()
     assert json.loads((tmp_path / "results.json").read_text())["variant"] == variant
+
+
+# Two completions of two clauses each (SELECT | WHERE or FROM), cut at token boundaries: row 0 runs (whatever
+# its result: correct = wrong = 0.5), row 1 fails (there is no table t: failure = 0). Row 1 is shorter.
+FORCED = (("SELECT 1", " WHERE 1"), ("SELECT x", " FROM t"))
+
+
+@pytest.fixture(scope="module")
+def forced_runs(world, prm_run, tmp_path_factory):
+    """One GRPO step of each of sparse and clause on the same two forced completions, recorded; with the
+    clause ends read off the text (the first clause's tokens, then the stop token) and the PRM's scores of
+    every prefix ending there or one token either side of it."""
+    from caper_jax.policy.prompts import stop_token_id
+
+    data_dir, tokenizer = world
+    encode = functools.partial(tokenizer, add_special_tokens=False)
+    forced = [encode(first)["input_ids"] + encode(second)["input_ids"] + [stop_token_id(tokenizer)]
+              for first, second in FORCED]
+    for ids, (first, second) in zip(forced, FORCED):
+        assert encode(first + second)["input_ids"] + [stop_token_id(tokenizer)] == ids   # cut at a token boundary
+    ends = [(len(encode(first)["input_ids"]) - 1, len(ids) - 1) for ids, (first, _) in zip(forced, FORCED)]
+    runs = {}
+    for variant in ("sparse", "clause"):
+        config = e2e_config(data_dir, variant)
+        config.prm.workdir = str(prm_run) if variant == "clause" else ""
+        config.reward.update(correct=0.5, wrong=0.5, failure=0.0)
+        config.eval.num_examples = 0
+        config.optim.total_steps = 1
+        T.validate(config)
+        workdir = tmp_path_factory.mktemp(f"forced_{variant}")
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            recorder = Recorder(monkeypatch, forced)
+            T.run(config, str(workdir))
+        [sample], [call] = recorder.samples, recorder.calls
+        [metrics] = [r for r in read_metrics(workdir / "metrics.jsonl") if "rollout/reward_mean" in r]
+        runs[variant] = dict(sample=sample, call=call, metrics=metrics)
+    sample = runs["clause"]["sample"]
+    np.testing.assert_array_equal(sample["tokens"], runs["sparse"]["sample"]["tokens"])
+    probes = [(b, e + shift) for b, row in enumerate(ends) for e in row for shift in (-1, 0, 1)
+              if e + shift < len(forced[b])]
+    scores = prm_prefix_scores(len(tokenizer), sample["prompt_ids"], sample["prompt_mask"], sample["tokens"], probes)
+    return dict(runs=runs, ends=ends, lengths=[len(f) for f in forced], prefix=dict(zip(probes, scores)))
+
+
+@pytest.mark.slow   # two end-to-end runs
+def test_grpo_reads_the_prm_at_the_completions_clause_ends(forced_runs):
+    """The per-token PRM scores GRPO slices out of the PRM's forward over prompt + completion line up with the
+    completion: at each clause's last token (the stop token for the last clause) the score is the PRM's
+    score of the prompt and the completion up to that token, which one token earlier or later is not."""
+    call, prefix = forced_runs["runs"]["clause"]["call"], forced_runs["prefix"]
+    for b, row in enumerate(forced_runs["ends"]):
+        for e in row:
+            assert call["prm_scores"][b, e] == pytest.approx(prefix[b, e], rel=1e-3, abs=1e-3), (b, e)
+            for neighbour in (e - 1, e + 1):
+                if (b, neighbour) in prefix:   # a slice off by one would read these instead
+                    assert abs(prefix[b, neighbour] - prefix[b, e]) > 0.05, (b, e, neighbour)
+
+
+@pytest.mark.slow   # two end-to-end runs
+def test_clause_rewards_differ_from_sparse_end_to_end(forced_runs):
+    """The same forced rollout under sparse and clause. Sparse: no PRM score, one unit per row rewarded with
+    its execution reward, every token's advantage the group-normalised execution reward. Clause: a unit
+    per clause rewarded with the PRM's score of the prefix ending there (+ the execution reward on the
+    last), normalised over the group's units; a token's advantage is the return-to-go from its clause."""
+    sparse, clause = forced_runs["runs"]["sparse"], forced_runs["runs"]["clause"]
+    ends, lengths, prefix = forced_runs["ends"], forced_runs["lengths"], forced_runs["prefix"]
+    execution = np.array([0.5, 0.0])
+    for run in (sparse, clause):
+        np.testing.assert_array_equal(run["call"]["exec_rewards"], execution)
+        assert run["call"]["parse_ok"].all()
+        np.testing.assert_array_equal(run["call"]["completion_mask"].sum(1), lengths)
+
+    def normalised(rewards):
+        return (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+
+    expected_sparse = np.zeros((2, 8))
+    for b, value in enumerate(normalised(execution)):
+        expected_sparse[b, :lengths[b]] = value
+    assert not sparse["call"]["prm_scores"].any()
+    np.testing.assert_allclose(sparse["call"]["advantages"], expected_sparse, rtol=1e-5, atol=1e-5)
+    assert sparse["metrics"]["rollout/units_per_sample"] == 1.0
+    assert sparse["metrics"]["rollout/unit_reward_mean"] == pytest.approx(execution.mean())
+
+    units = np.array([[prefix[b, first], prefix[b, last] + execution[b]] for b, (first, last) in enumerate(ends)])
+    n = normalised(units)
+    expected_clause = np.zeros((2, 8))
+    for b, (first, last) in enumerate(ends):
+        expected_clause[b, :first + 1] = n[b, 0] + n[b, 1]
+        expected_clause[b, first + 1:last + 1] = n[b, 1]
+    np.testing.assert_allclose(clause["call"]["advantages"], expected_clause, rtol=1e-3, atol=1e-3)
+    assert clause["metrics"]["rollout/units_per_sample"] == 2.0
+    assert clause["metrics"]["rollout/unit_reward_mean"] == pytest.approx(units.mean(), rel=1e-3, abs=1e-3)
+    assert np.abs(clause["call"]["advantages"] - sparse["call"]["advantages"]).max() > 0.1
 
 
 def test_the_frozen_prm_is_read_from_a_whole_checkpoint_only(world, prm_run, tmp_path):
