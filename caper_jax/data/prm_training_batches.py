@@ -176,7 +176,7 @@ def prm_pipeline(
     ``jax.process_count()``): host ``p`` gets rows ``[p * B, (p + 1) * B)`` of every global batch,
     ``B = global_batch_size // process_count``, the layout ``caper_jax.parallel.multihost.host_local_to_global`` expects.
     ``within_batch_size > 0``: within-trajectory tuples are batched as groups, that many per global
-    batch (``GROUP_KEYS``, module docstring); the pair rows then hold the other tuples. An epoch is
+    batch (``GROUP_KEYS``, ``caper_jax.data.within_groups``); the pair rows then hold the other tuples. An epoch is
     one pass over the pair rows (over the groups if there are no others).
     ``counterfactual_repeat = n``: tuples from counterfactual repair of real predictions (provenance
     ``counterfactual`` / ``within:counterfactual``) appear n times per epoch, fault-injection ones once.

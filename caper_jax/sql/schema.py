@@ -165,4 +165,4 @@ def load_spider_schemas(tables_json: str | os.PathLike) -> dict[str, Schema]:
     return {entry["db_id"]: Schema.from_spider(entry) for entry in entries}
 
 
-__all__ = ["Column", "ForeignKey", "Schema", "TypeClass", "load_spider_schemas", "type_class"]
+__all__ = ["Column", "ForeignKey", "Schema", "TypeClass", "affinity", "load_spider_schemas", "type_class"]
