@@ -16,8 +16,8 @@ it once). Texts are built by the project's own code, as the 9B configs build the
 * SFT        prompt + gold SQL + ``<|im_end|>``, as ``caper_jax.sft.data.encode_examples`` builds it;
 * SQL        gold SQL + ``<|im_end|>`` alone: what GRPO's ``max_new_tokens`` must hold;
 * PRM state  prompt + preceding SQL + clause (+ ``<|im_end|>`` for the last clause), every clause
-             state of every gold query, built by ``caper_jax.data.prm_pipeline.ClauseEncoder``;
-* PRM pair   ``prm_pipeline.pair_lengths`` (max of the chosen and rejected sides: the length a tuple
+             state of every gold query, built by ``caper_jax.data.clause_encoder.ClauseEncoder``;
+* PRM pair   ``clause_encoder.pair_lengths`` (max of the chosen and rejected sides: the length a tuple
              is bucketed by) of real annotated tuples on Spider dev: the annotator
              (``caper_jax.sql.tuples.Annotator``, configs/annotate.py's defaults) on ``--tuple_golds``
              gold queries (fault injection) and ``--tuple_failures`` of the six published systems'
@@ -49,7 +49,10 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from caper_jax.data import prm_pipeline as pp  # noqa: E402
+from caper_jax.data.bucket_plan import epoch_plan  # noqa: E402
+from caper_jax.data.clause_encoder import ClauseEncoder, pair_lengths  # noqa: E402
+from caper_jax.data.prm_records import Records  # noqa: E402
+from caper_jax.data.prm_scoring_batches import score_batch  # noqa: E402
 from caper_jax.data.spider import load_schemas, load_split  # noqa: E402
 from caper_jax.sql.clauses import SqlParseError, split_clauses  # noqa: E402
 from caper_jax.sql.contract import END_OF_SQL, policy_prompt, prompt_question, serialize_schema  # noqa: E402
@@ -140,10 +143,10 @@ def rollout_widths(prompt_lengths, ladder, batch: int = GRPO_PROMPTS_PER_STEP, s
 def bucketed_rollout_widths(prompt_lengths, ladder, batch: int = GRPO_PROMPTS_PER_STEP, seed: int = 0,
                             steps: int = GRPO_STEPS):
     """As ``rollout_widths``, with each epoch's prompts drawn as the PRM pipeline draws tuples
-    (``prm_pipeline.epoch_plan``: shuffle, stable sort by bucket, cut, shuffle the chunks)."""
+    (``bucket_plan.epoch_plan``: shuffle, stable sort by bucket, cut, shuffle the chunks)."""
     lengths = np.asarray(prompt_lengths)
     buckets = np.searchsorted(np.asarray(ladder), lengths, side="left")
-    plans = [pp.epoch_plan(buckets, batch, seed, e) for e in range(-(-steps * batch // len(lengths)) + 1)]
+    plans = [epoch_plan(buckets, batch, seed, e) for e in range(-(-steps * batch // len(lengths)) + 1)]
     rows = np.concatenate([r for r, _ in plans])
     batch_bucket = np.concatenate([b for _, b in plans])
     full = np.flatnonzero((rows >= 0).all(axis=1))[:steps]
@@ -197,7 +200,7 @@ def measure(tok, examples, schemas) -> dict[str, np.ndarray]:
     prompt_len = np.asarray([len(x) for x in tok(prompts, add_special_tokens=False)["input_ids"]])
     sft = [SftExample(e.question, schemas[e.db_id], e.query, e.db_id, e.evidence) for e in examples]
     sequences, _ = encode_examples(sft, tok, max_len=1 << 20)
-    encoder = pp.ClauseEncoder(tok, 1 << 20)
+    encoder = ClauseEncoder(tok, 1 << 20)
     sides = [(prompt_question(e.question, e.evidence), schemas[e.db_id], prefix, clause)
              for e in examples for prefix, clause in clause_states(e.query)]
     states = np.concatenate([[len(ids) for ids in encoder.encode(sides[i: i + 4096])]
@@ -231,7 +234,7 @@ def annotated_pairs(tok, spider: pathlib.Path, predictions: pathlib.Path, n_gold
             tuples += [t.as_dict() for t in annotation.tuples]
     finally:
         annotator.close()
-    lengths = pp.pair_lengths(pp.Records(tuples), pp.ClauseEncoder(tok, 1 << 20))
+    lengths = pair_lengths(Records(tuples), ClauseEncoder(tok, 1 << 20))
     return lengths, {"records": len(records), "failures_available": len(failures), "tuples": len(tuples),
                      "tuples_by_source": by_source}
 
@@ -243,13 +246,13 @@ def clause_alignment(tok, sqls, chunk: int = 512) -> dict:
     holding a clause's last character) that also hold non-space text of what follows."""
     from collections import Counter
 
-    encoder = pp.ClauseEncoder(tok, 1 << 20, prompt_fn=lambda question, schema: "")
+    encoder = ClauseEncoder(tok, 1 << 20, prompt_fn=lambda question, schema: "")
     states = mismatched = 0
     straddles: Counter = Counter()
     parsed = [(sql, split_clauses(sql)) for sql in sqls if clause_states(sql)]
     for start in range(0, len(parsed), chunk):
         rows = parsed[start: start + chunk]
-        out = pp.score_batch([{"question": "", "schema": "", "sql": sql} for sql, _ in rows], tok, max_len=1 << 20,
+        out = score_batch([{"question": "", "schema": "", "sql": sql} for sql, _ in rows], tok, max_len=1 << 20,
                              bucket_lengths=(1 << 20,), prompt_fn=lambda question, schema: "")
         sides = [("", "", prefix, clause) for sql, _ in rows for prefix, clause in clause_states(sql)]
         encoded = iter(encoder.encode(sides))

@@ -61,7 +61,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.annotate.margin_floor = 0.05
     c.annotate.within_trajectory = True       # also rank each negative's clauses against its root (docs/annotation.md)
     # Also pair a right and a wrong prediction of one question at the wrong one's root clause (training
-    # split only; caper_jax.data.prm_pipeline.candidate_contrasts): what reranking asks of the PRM.
+    # split only; caper_jax.data.candidate_contrasts): what reranking asks of the PRM.
     c.annotate.candidate_contrasts = False
     # Per query: a budget of SQLite VM instructions, so labels do not depend on the machine's load,
     # and a wall-clock backstop (caper_jax.sql.tuples.AnnotationSettings).

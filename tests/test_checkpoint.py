@@ -45,7 +45,7 @@ DATA_RULES = (("batch", "data"),)  # the batch axis over the single mesh axis of
 
 
 def child_main(workdir: Path, steps: int) -> None:
-    from caper_jax.data.prm_pipeline import prm_pipeline
+    from caper_jax.data.prm_training_batches import prm_pipeline
     from caper_jax.parallel.multihost import host_local_to_global
     from tests.helpers import make_tokenizer, make_tuples, prompt_fn
 
@@ -401,7 +401,7 @@ HOST_GLOBAL_BATCH = 8
 def host_main(workdir: Path, port: int, process_id: int) -> None:
     from jax.experimental import multihost_utils
 
-    from caper_jax.data.prm_pipeline import prm_pipeline
+    from caper_jax.data.prm_training_batches import prm_pipeline
     from caper_jax.parallel.multihost import host_local_to_global
     from tests.helpers import make_tokenizer, make_tuples, prompt_fn
 
@@ -450,7 +450,7 @@ def test_two_processes_stitch_batches_and_share_checkpoints(tmp_path, xla_cache)
         assert proc.returncode == 0, stderr[-3000:]
     reports = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
 
-    from caper_jax.data.prm_pipeline import prm_pipeline
+    from caper_jax.data.prm_training_batches import prm_pipeline
     from tests.helpers import make_tokenizer, make_tuples, prompt_fn
 
     single = prm_pipeline(make_tuples(20), make_tokenizer(), global_batch_size=HOST_GLOBAL_BATCH, max_len=192,

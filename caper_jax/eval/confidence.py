@@ -28,7 +28,7 @@ def clause_logprobs(policy, rows: Sequence[Mapping[str, Any]], *, max_len: int =
     """Per row (``question``, ``schema``, optional ``evidence``, ``sql``), the policy's mean token
     log-prob of each clause of ``split_clauses(sql)``; None for SQL that does not parse, or whose
     SQL + stop token alone exceeds ``max_len``. The prompt is left-truncated as in SFT."""
-    from caper_jax.data.prm_pipeline import resolve_pad_id
+    from caper_jax.data.clause_encoder import resolve_pad_id
     from caper_jax.policy.logprobs import sequence_logprobs
     from caper_jax.sql.contract import policy_prompt
 

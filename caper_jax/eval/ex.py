@@ -187,6 +187,28 @@ def grade_predictions(path: str | os.PathLike, examples: Sequence, executor_for:
             yield GradedLine(line_number, prediction, example, None, results, right)
 
 
+class GradingTally:
+    """A predictions file graded for a command (``evaluate ex``, ``verify``): each malformed line is reported
+    as skipped and its number kept in ``malformed``; excluded lines are counted in ``excluded`` by reason."""
+
+    def __init__(self, path: str | os.PathLike, report: Callable[[str], None]):
+        self.path, self.report = path, report
+        self.malformed: list[int] = []
+        self.excluded: collections.Counter[str] = collections.Counter()
+
+    def skip(self, line_number: int, error: PredictionError) -> None:
+        self.malformed.append(line_number)
+        self.report(f"{self.path}:{line_number}: skipped: {error}")
+
+    def lines(self, examples: Sequence, executor_for: Callable[[str], Executor | None], *,
+              semantics: Semantics) -> Iterator[GradedLine]:
+        """``grade_predictions`` of the file, tallied."""
+        for line in grade_predictions(self.path, examples, executor_for, semantics=semantics, on_malformed=self.skip):
+            if line.excluded is not None:
+                self.excluded[line.excluded] += 1
+            yield line
+
+
 # The six published systems' Spider-dev predictions of ../shared/data/spider_predictions/.
 PUBLISHED_SYSTEMS = ("dail_sql_gpt4.sql", "dail_sql_gpt4_sc.sql", "graphix_t5.sql", "c3sql_chatgpt.sql",
                      "din_sql_gpt4.csv", "din_sql_codex.csv")
@@ -230,22 +252,15 @@ def evaluate_ex(data_dir: str | os.PathLike, split: str, predictions: str | os.P
     databases = Databases(data_dir, split, timeout_s=timeout_s, max_rows=max_rows)
 
     correct = first_correct = vote_correct = any_correct = n = n_voted = 0
-    excluded: collections.Counter[str] = collections.Counter()
-    malformed: list[int] = []
+    tally = GradingTally(predictions, report)
     missing_reported: set[str] = set()
-
-    def skip(line_number: int, error: PredictionError) -> None:
-        malformed.append(line_number)
-        report(f"{predictions}:{line_number}: skipped: {error}")
 
     # Written under a temporary name, renamed into place only when every line is graded.
     sink: atomic.AtomicWriter | None = atomic.AtomicWriter(output) if output is not None else None
     try:
-        for line in grade_predictions(predictions, examples, databases.executor, semantics=semantics,
-                                      on_malformed=skip):
+        for line in tally.lines(examples, databases.executor, semantics=semantics):
             prediction, example = line.prediction, line.example
             if line.excluded is not None:
-                excluded[line.excluded] += 1
                 if line.excluded != "missing_db" or example.db_id not in missing_reported:
                     missing_reported.add(example.db_id)
                     report(f"{predictions}:{line.line_number}: example {prediction.index} "
@@ -279,6 +294,6 @@ def evaluate_ex(data_dir: str | os.PathLike, split: str, predictions: str | os.P
     if n_voted:
         summary["mv"] = {"n": n_voted, "first": first_correct / n_voted, "vote": vote_correct / n_voted,
                          "any": any_correct / n_voted}
-    summary["excluded"] = dict(excluded)
-    summary["malformed"] = len(malformed)
+    summary["excluded"] = dict(tally.excluded)
+    summary["malformed"] = len(tally.malformed)
     return summary

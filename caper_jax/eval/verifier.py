@@ -51,8 +51,8 @@ import numpy as np
 from caper_jax.sql.contract import prompt_question, serialize_schema
 from caper_jax.data.spider import DataError, ShownQuestions, load_schemas, load_split
 from caper_jax.sql.semantics import check_semantics
-from caper_jax.eval.ex import (DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, Databases, PredictionError, data_inputs,
-                               grade_predictions, majority_vote)
+from caper_jax.eval.ex import (DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, Databases, GradingTally, PredictionError,
+                               data_inputs, majority_vote)
 from caper_jax.prm.aggregates import AGGREGATES
 from caper_jax.utils import atomic, jsonl
 
@@ -105,20 +105,12 @@ def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: 
     examples = load_split(data_dir, split)
     databases = _Databases(data_dir, split, timeout_s=timeout_s, max_rows=max_rows, report=report,
                            where=str(candidates))
-    excluded: collections.Counter[str] = collections.Counter()
-    malformed: list[int] = []
-
-    def skip(line_number: int, error: PredictionError) -> None:
-        malformed.append(line_number)
-        report(f"{candidates}:{line_number}: skipped: {error}")
-
+    tally = GradingTally(candidates, report)
     lines: list[dict[str, Any]] = []  # in file order; excluded lines have "excluded" instead of "right"
     try:
-        for line in grade_predictions(candidates, examples, databases.executor, semantics=semantics,
-                                      on_malformed=skip):
+        for line in tally.lines(examples, databases.executor, semantics=semantics):
             prediction, example = line.prediction, line.example
             if line.excluded is not None:
-                excluded[line.excluded] += 1
                 if line.excluded != "missing_db":   # a missing database is reported by _Databases, once
                     report(f"{candidates}:{line.line_number}: example {prediction.index} excluded: {line.excluded}")
                 lines.append({"prediction": prediction, "excluded": line.excluded})
@@ -155,7 +147,7 @@ def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: 
     rate = lambda key: counts[key] / n if n else 0.0  # noqa: E731
     return {"n": n, "first": rate("first"), "vote": rate("vote"), "prm": rate(aggregate), "aggregate": aggregate,
             "prm_by_aggregate": {how: rate(how) for how in scoring.SELECTORS}, "any": rate("any"),
-            "excluded": dict(excluded), "malformed": len(malformed)}
+            "excluded": dict(tally.excluded), "malformed": len(tally.malformed)}
 
 
 def _output_row(line: dict, how: str) -> dict:

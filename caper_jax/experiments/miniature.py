@@ -39,7 +39,6 @@ import functools
 import json
 import logging
 import pathlib
-import time
 
 import jax
 import numpy as np
@@ -54,8 +53,7 @@ from caper_jax.experiments.rerankers import pick_stage, prm_scorer, rerankers
 from caper_jax.experiments.samples import (add_policy_confidence, build_prm_data, check_pick_held_back,
                                            confidence_stage, held_back_questions, samples_stage,
                                            train_samples_path, write_jsonl)
-from caper_jax.experiments.stages import Stage, StageClock, completion, run_stages, stage_names, start_stages
-from caper_jax.parallel import multihost
+from caper_jax.experiments.stages import Stage, StageClock, completion, run_experiment, with_report
 from caper_jax.prm import trainer as prm_trainer
 from caper_jax.prm.localization import SEES_GOLD, best_fair_baseline
 from caper_jax.rl import trainer as rl_trainer
@@ -226,25 +224,12 @@ def stages(config: ConfigDict, out: pathlib.Path, clock: StageClock) -> list[Sta
                  Stage("eval", completion(out / "eval" / name),
                        functools.partial(policy_lib.run, eval_config(config, data_dir, policy, str(out / "prm")),
                                          out / "eval" / name))]
-    order = (*stage_names(work), "report")
-
-    def write_results() -> dict:
-        results = collect(config, out)
-        results["seconds"] = dict(clock.seconds)
-        report.write_miniature_report(config, results, out, order)
-        return results
-
-    return [*work, Stage("report", None, write_results)]
+    return with_report(work, clock, functools.partial(collect, config, out),
+                       lambda results, order: report.write_miniature_report(config, results, out, order))
 
 
 def run(config: ConfigDict, workdir: str) -> dict:
-    started = time.perf_counter()
-    out = pathlib.Path(workdir)
-    clock = start_stages(out)
-    results = run_stages(stages(config, out, clock), clock)["report"]
-    multihost.log_main("results: %s", out / "results.md")
-    summary_lib.reproduce_run(results, out, time.perf_counter() - started)
-    return results
+    return run_experiment(functools.partial(stages, config), workdir, summary_lib.reproduce_run)
 
 
 def eval_examples(config: ConfigDict, data_dir: pathlib.Path, eval_dir: pathlib.Path) -> list:

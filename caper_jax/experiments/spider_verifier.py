@@ -26,7 +26,6 @@ import functools
 import json
 import logging
 import pathlib
-import time
 
 import jax
 import numpy as np
@@ -42,7 +41,7 @@ from caper_jax.experiments.rerankers import pick_stage, prm_scorer
 from caper_jax.experiments.samples import (add_policy_confidence, build_prm_data, check_pick_held_back,
                                            confidence_stage, held_back_questions, samples_stage,
                                            train_samples_path, write_jsonl)
-from caper_jax.experiments.stages import Stage, StageClock, completion, run_stages, stage_names, start_stages
+from caper_jax.experiments.stages import Stage, StageClock, completion, run_experiment, with_report
 from caper_jax.parallel import multihost
 from caper_jax.prm import trainer as prm_trainer
 from caper_jax.prm.localization import best_fair_baseline
@@ -157,26 +156,13 @@ def stages(config: ConfigDict, out: pathlib.Path, clock: StageClock) -> list[Sta
         pick_stage(config, view, train_samples, out),
         Stage("verify", Verified(out), write_verify),
     ]
-    order = (*stage_names(work), "report")
-
-    def write_results() -> dict:
-        results = collect(config, out)
-        results["seconds"] = dict(clock.seconds)
-        report.write_verifier_report(results, out, order)
-        return results
-
-    return [*work, Stage("report", None, write_results)]
+    return with_report(work, clock, functools.partial(collect, config, out),
+                       lambda results, order: report.write_verifier_report(results, out, order))
 
 
 def run(config: ConfigDict, workdir: str) -> dict:
     """SFT -> samples -> Clause-PRM (SFT-initialised) -> localisation and reranking of six real systems."""
-    started = time.perf_counter()
-    out = pathlib.Path(workdir)
-    clock = start_stages(out)
-    results = run_stages(stages(config, out, clock), clock)["report"]
-    multihost.log_main("results: %s", out / "results.md")
-    summary_lib.spider_verifier_run(results, out, time.perf_counter() - started)
-    return results
+    return run_experiment(functools.partial(stages, config), workdir, summary_lib.spider_verifier_run)
 
 
 def build_spider_view(config: ConfigDict, view: pathlib.Path) -> dict:

@@ -2,6 +2,8 @@
 
     Stage(name, output, function)     # output.exists() once function ran to its end; None: runs every time
     run_stages(stages, clock)         # what rerunning an interrupted command resumes from
+    with_report(work, clock, ...)     # an experiment's stages, then its report with the seconds per stage
+    run_experiment(stages_of, ...)    # the whole experiment in a workdir: its report's results
 
 A stage's output is the last thing it writes (a trainer's or evaluator's ``results.json``, see
 ``completion``), so an interrupted stage runs again and a finished one never does; the trainers
@@ -103,3 +105,33 @@ def run_stages(stages: Sequence[Stage], clock: StageClock) -> dict[str, Any]:
             if not stage.done():
                 returned[stage.name] = stage.function()
     return returned
+
+
+def with_report(work: Sequence[Stage], clock: StageClock, collect: Callable[[], dict],
+                write_report: Callable[[dict, tuple[str, ...]], None]) -> list[Stage]:
+    """``work`` followed by the ``report`` stage, which runs every time: ``collect()``'s results plus the
+    wall seconds per stage so far, written by ``write_report(results, order)`` (``order``: the stage
+    names in running order, for the report's wall-time table) and returned."""
+    order = (*stage_names(work), "report")
+
+    def write_results() -> dict:
+        results = collect()
+        results["seconds"] = dict(clock.seconds)
+        write_report(results, order)
+        return results
+
+    return [*work, Stage("report", None, write_results)]
+
+
+def run_experiment(stages_of: Callable[[pathlib.Path, StageClock], Sequence[Stage]], workdir: str,
+                   summarize: Callable[[dict, pathlib.Path, float], Any]) -> dict:
+    """Runs an experiment's stages (``stages_of(out, clock)``, ending in ``with_report``'s report) in
+    ``workdir`` and returns the report's results; ``summarize(results, out, wall seconds)`` gives the
+    run's closing summary."""
+    started = time.perf_counter()
+    out = pathlib.Path(workdir)
+    clock = start_stages(out)
+    results = run_stages(stages_of(out, clock), clock)["report"]
+    multihost.log_main("results: %s", out / "results.md")
+    summarize(results, out, time.perf_counter() - started)
+    return results

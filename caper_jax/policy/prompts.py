@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from caper_jax.data.prm_pipeline import resolve_pad_id
+from caper_jax.data.clause_encoder import resolve_pad_id
 from caper_jax.sql.contract import END_OF_SQL
 
 

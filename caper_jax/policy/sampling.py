@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from caper_jax.data.prm_pipeline import resolve_pad_id
+from caper_jax.data.clause_encoder import resolve_pad_id
 from caper_jax.models.sampler import SamplingConfig, generate
 from caper_jax.parallel import multihost
 from caper_jax.parallel.multihost import fetch

@@ -20,7 +20,7 @@ import random
 
 import numpy as np
 
-from caper_jax.data import prm_pipeline as pipe_lib
+from caper_jax.data.prm_training_batches import prm_pipeline
 from caper_jax.data.spider import ShownQuestions, load_schemas
 from caper_jax.parallel import multihost
 from caper_jax.prm import localization as loc
@@ -85,7 +85,7 @@ class PrmEvaluator:
         bs = self.config.data.eval_batch_size
         for start in range(0, len(self.tuples), bs):
             chunk = self.tuples[start:start + bs]
-            batch = next(iter(pipe_lib.prm_pipeline(
+            batch = next(iter(prm_pipeline(
                 chunk, self.tokenizer, global_batch_size=len(chunk), max_len=self.config.data.max_len,
                 bucket_lengths=self.config.data.bucket_lengths, num_epochs=1).dataset))
             arrays, n = multihost.replicated_batch({k: v for k, v in batch.items() if k != "record_index"},

@@ -10,7 +10,7 @@ Loading (``load_scorer(path)``) accepts what the PRM trainer writes:
 
 Scoring (``ClausePrmScorer.score_queries(rows)``): rows are ``{question, schema, sql}``; each query
 is ONE forward pass (``prompt + sql``, the score of every clause read at its last token — the causal
-backbone makes every clause prefix visible at once; ``caper_jax.data.prm_pipeline.score_batch``).
+backbone makes every clause prefix visible at once; ``caper_jax.data.prm_scoring_batches.score_batch``).
 Rows are sorted by length before batching so a batch pads to the shortest bucket that holds it, and
 every batch is padded to ``batch_size`` rows, so jit compiles once per bucket length. The result,
 in input order, is one float64 array per row with one score per clause of ``split_clauses(sql)``:
@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx
 
 from caper_jax import runs
-from caper_jax.data import prm_pipeline as pipe_lib
+from caper_jax.data.prm_scoring_batches import score_batch
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
@@ -178,7 +178,7 @@ def scores_in_batches(rows: Sequence[Mapping[str, Any]], tokenizer, scores_fn, *
     out: list[np.ndarray | None] = [None] * len(rows)
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
-        batch = pipe_lib.score_batch([rows[i] for i in chunk], tokenizer, max_len=max_len,
+        batch = score_batch([rows[i] for i in chunk], tokenizer, max_len=max_len,
                                      bucket_lengths=bucket_lengths)
         arrays = {k: batch[k] for k in ("input_ids", "mask", "clause_pos")}
         if len(chunk) < batch_size:  # a fixed row count: one compiled program per bucket length

@@ -2,7 +2,7 @@
 
 Reads top to bottom like big_vision's train.py. Everything heavy lives elsewhere: annotation in
 ``caper_jax.sql`` (streamed through Grain by ``caper_jax.data.annotation_source``), batches in
-``caper_jax.data.prm_pipeline``, the jitted step in ``caper_jax.prm.step``, sharding in
+``caper_jax.data.prm_training_batches``, the jitted step in ``caper_jax.prm.step``, sharding in
 ``caper_jax.parallel``, checkpoints in ``caper_jax.checkpoint``, the loop around the step (logging,
 periodic evaluation, resume, checkpoint saves) in ``caper_jax.loop``.
 """
@@ -21,7 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from caper_jax import loop, runs
-from caper_jax.data import prm_pipeline as pipe_lib
+from caper_jax.data.candidate_contrasts import with_candidate_contrasts
+from caper_jax.data.prm_records import JsonlSource
+from caper_jax.data.prm_training_batches import GROUP_SLOT_MULTIPLE, prm_pipeline
 from caper_jax.data.data_world import DataWorld, prepare_world
 from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.parallel import multihost
@@ -201,8 +203,8 @@ def run(config, workdir: str) -> dict:
     with multihost.main_process_first("prepare data"):
         world = prepare_world(config, workdir)
         train_path = annotate_split(world, config.data.train_split, settings, workdir / "tuples")
-        if config.annotate.get("candidate_contrasts"):  # right vs wrong sample of a question (prm_pipeline)
-            train_path = pipe_lib.with_candidate_contrasts(world.dir, world.database_dir, config.data.train_split,
+        if config.annotate.get("candidate_contrasts"):  # right vs wrong sample of a question (candidate_contrasts)
+            train_path = with_candidate_contrasts(world.dir, world.database_dir, config.data.train_split,
                                                            settings, train_path)
         eval_path = annotate_split(world, config.data.eval_split, settings, workdir / "tuples")
     tokenizer = world.tokenizer
@@ -220,8 +222,8 @@ def run(config, workdir: str) -> dict:
     multihost.log_main("Clause-PRM: %s parameters on mesh %s", f"{n_params:,}", dict(mesh.shape))
 
     # Input pipeline: this host's rows of every global batch, repeated over epochs.
-    pipeline = pipe_lib.prm_pipeline(
-        pipe_lib.JsonlSource(train_path), tokenizer, global_batch_size=config.data.batch_size,
+    pipeline = prm_pipeline(
+        JsonlSource(train_path), tokenizer, global_batch_size=config.data.batch_size,
         max_len=config.data.max_len, bucket_lengths=config.data.bucket_lengths, seed=config.seed,
         num_epochs=None, process_index=jax.process_index(), process_count=jax.process_count(),
         within_batch_size=config.data.within_batch_size, counterfactual_repeat=config.data.counterfactual_repeat)
@@ -263,7 +265,7 @@ def dry_run(config) -> dict:
                  "rejected_mask": ids, "rejected_pos": vec(jnp.int32), "margin": vec(jnp.float32),
                  "weight": vec(jnp.float32), "lm_weight": vec(jnp.float32), "clause_id": vec(jnp.int32)}
         if config.data.within_batch_size:  # group rows, with the narrowest slot width the pipeline makes
-            g, slots = config.data.within_batch_size, pipe_lib.GROUP_SLOT_MULTIPLE
+            g, slots = config.data.within_batch_size, GROUP_SLOT_MULTIPLE
             batch |= {"group_ids": struct((g, length), jnp.int32), "group_mask": struct((g, length), jnp.int32),
                       "group_pos": struct((g, slots), jnp.int32), "group_margin": struct((g, slots), jnp.float32),
                       "group_weight": struct((g,), jnp.float32)}

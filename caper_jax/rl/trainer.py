@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from caper_jax import loop, runs
-from caper_jax.data.prm_pipeline import resolve_pad_id
+from caper_jax.data.clause_encoder import resolve_pad_id
 from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.models.frozen import frozen_params
 from caper_jax.models.sampler import SamplingConfig, generate

@@ -11,7 +11,7 @@ Design:
   where that target is a SQL or stop token, so ``loss = mean over masked t of -log p(targets[t] |
   ids[:t+1])``; prompt tokens are context only. Explicit targets keep the loss a plain function of
   (logits, targets, mask), the way big_vision and MaxText feed decoders.
-* **Global plan, host slices**: the batch plan is ``caper_jax.data.prm_pipeline.epoch_plan`` (shuffle,
+* **Global plan, host slices**: the batch plan is ``caper_jax.data.bucket_plan.epoch_plan`` (shuffle,
   stable sort by length bucket, cut, shuffle the chunks) — a pure function of (seed, epoch, lengths) that
   every host computes identically, so all hosts agree on each step's sequence length; each host then
   gathers only its own rows. The demo and Spider training sets are small, so every example is tokenised
@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 import grain
 import numpy as np
 
-from caper_jax.data import prm_pipeline as pipe_lib
+from caper_jax.data.bucket_plan import bucket_index, default_bucket_lengths, epoch_plan
+from caper_jax.data.clause_encoder import resolve_pad_id
 from caper_jax.policy.prompts import stop_token_id
 from caper_jax.sql.contract import policy_prompt, serialize_schema
 
@@ -136,7 +137,7 @@ class _StepLoader:
             if epoch not in self._plans:
                 if len(self._plans) >= 2:
                     self._plans.pop(min(self._plans))
-                self._plans[epoch] = pipe_lib.epoch_plan(self.buckets, self.global_batch_size, self.seed, epoch)
+                self._plans[epoch] = epoch_plan(self.buckets, self.global_batch_size, self.seed, epoch)
             return self._plans[epoch]
 
     def __call__(self, index: int, step: int) -> dict[str, np.ndarray]:
@@ -166,16 +167,16 @@ def sft_pipeline(examples: Sequence[SftExample], tokenizer, *, global_batch_size
     if global_batch_size < 1 or global_batch_size % process_count:
         raise ValueError(f"global_batch_size={global_batch_size} must be a positive multiple of "
                          f"process_count={process_count}")
-    ladder = tuple(int(n) for n in (bucket_lengths or pipe_lib.default_bucket_lengths(max_len)))
+    ladder = tuple(int(n) for n in (bucket_lengths or default_bucket_lengths(max_len)))
     if ladder[-1] > max_len:
         raise ValueError(f"longest bucket {ladder[-1]} > max_len {max_len}")
     sequences, prompt_lengths = encode_examples(examples, tokenizer, max_len)
-    buckets = pipe_lib.bucket_index(np.asarray([len(s) for s in sequences]), ladder)
+    buckets = bucket_index(np.asarray([len(s) for s in sequences]), ladder)
     steps_per_epoch = -(-len(sequences) // global_batch_size)
     host = global_batch_size // process_count
     loader = _StepLoader(sequences, prompt_lengths, buckets, ladder, global_batch_size, seed,
                          slice(process_index * host, (process_index + 1) * host), steps_per_epoch,
-                         pipe_lib.resolve_pad_id(tokenizer, None))
+                         resolve_pad_id(tokenizer, None))
     dataset = grain.MapDataset.range(steps_per_epoch).repeat(num_epochs).map_with_index(loader)
     return SftPipeline(dataset, steps_per_epoch, len(sequences), ladder)
 

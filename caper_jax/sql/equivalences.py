@@ -56,23 +56,10 @@ from sqlglot import exp
 
 from caper_jax.sql.contract import CLAUSE_ORDER
 from caper_jax.sql.labelled import label_tree
+from caper_jax.sql.schema import affinity
 
 # --------------------------------------------------------------------------------------------
 # What the schema proves.
-
-
-def affinity(declared: str | None) -> str:
-    """SQLite's column affinity of a declared type, in three groups that compare without
-    conversion among themselves: ``numeric`` (INTEGER, REAL, NUMERIC), ``text``, ``none`` (BLOB
-    or no type)."""
-    upper = (declared or "").upper()
-    if "INT" in upper:
-        return "numeric"
-    if any(word in upper for word in ("CHAR", "CLOB", "TEXT")):
-        return "text"
-    if not upper or "BLOB" in upper:
-        return "none"
-    return "numeric"
 
 
 _CLASS_AFFINITY = {"text": "text", "number": "numeric", "time": "numeric", "boolean": "numeric",

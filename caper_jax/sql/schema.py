@@ -132,6 +132,23 @@ class Schema:
         return cls(db_id or path.stem, tables, tuple(columns), tuple(foreign_keys))
 
 
+def affinity(declared: str | None) -> str:
+    """SQLite's column affinity of a declared type, in three groups that compare without
+    conversion among themselves: ``numeric`` (INTEGER, REAL, NUMERIC), ``text``, ``none`` (BLOB
+    or no type)."""
+    upper = (declared or "").upper()
+    if "INT" in upper:
+        return "numeric"
+    if any(word in upper for word in ("CHAR", "CLOB", "TEXT")):
+        return "text"
+    if not upper or "BLOB" in upper:
+        return "none"
+    return "numeric"
+
+
+_AFFINITY_CLASS: dict[str, TypeClass] = {"numeric": "number", "text": "text", "none": "others"}
+
+
 def type_class(declared: str | None) -> TypeClass:
     """Spider type class of a declared SQLite column type (SQLite affinity rules + dates)."""
     upper = (declared or "").upper()
@@ -139,13 +156,7 @@ def type_class(declared: str | None) -> TypeClass:
         return "time"
     if "BOOL" in upper:
         return "boolean"
-    if "INT" in upper:
-        return "number"
-    if any(word in upper for word in ("CHAR", "CLOB", "TEXT")):
-        return "text"
-    if not upper or "BLOB" in upper:
-        return "others"
-    return "number"  # REAL, FLOA, DOUB, NUMERIC, DECIMAL, ...
+    return _AFFINITY_CLASS[affinity(declared)]  # REAL, FLOA, DOUB, NUMERIC, DECIMAL, ...: number
 
 
 def load_spider_schemas(tables_json: str | os.PathLike) -> dict[str, Schema]:
@@ -154,4 +165,4 @@ def load_spider_schemas(tables_json: str | os.PathLike) -> dict[str, Schema]:
     return {entry["db_id"]: Schema.from_spider(entry) for entry in entries}
 
 
-__all__ = ["Column", "ForeignKey", "Schema", "TypeClass", "load_spider_schemas", "type_class"]
+__all__ = ["Column", "ForeignKey", "Schema", "TypeClass", "affinity", "load_spider_schemas", "type_class"]

@@ -23,7 +23,7 @@ written ``clause + END_OF_SQL`` (the token the policy stops on, ``caper_jax.sql.
 the PRM reads it after the query has ended. Why: a query that lacks its trailing WHERE is, up to
 FROM's last token, exactly a correct prefix; only "and here it ends" is wrong, and a causal model
 can blame FROM for it only if it sees the end. Scoring a whole query does the same
-(``caper_jax.data.prm_pipeline.score_batch``, GRPO's clause ends in ``caper_jax.policy.rollout``).
+(``caper_jax.data.prm_scoring_batches.score_batch``, GRPO's clause ends in ``caper_jax.policy.rollout``).
 
 Sources:
 

@@ -4,7 +4,7 @@ import sqlite3
 
 import pytest
 
-from caper_jax.data import prm_pipeline as pipe_lib
+from caper_jax.data import candidate_contrasts as contrasts_lib
 from caper_jax.sql.schema import Schema
 from caper_jax.sql.tuples import AnnotationSettings, Annotator, tables_entry
 
@@ -32,7 +32,7 @@ def test_contrasts_by_hand(world):
                 {"db_id": "club", "question": "only right", "gold": GOLD, "pred": RIGHT}]
     annotator = Annotator(world / "database", AnnotationSettings())
     try:
-        tuples = pipe_lib.candidate_contrasts(records, annotator)
+        tuples = contrasts_lib.candidate_contrasts(records, annotator)
     finally:
         annotator.close()
     assert [(t["question"], t["clause"]) for t in tuples] == [("q", "WHERE"), ("q", "ORDER BY")]
@@ -50,8 +50,8 @@ def test_tuples_file_gains_the_contrasts_once(world):
     base = world / "tuples" / "train-abc.jsonl"
     base.parent.mkdir()
     base.write_text('{"question": "existing"}\n')
-    out = pipe_lib.with_candidate_contrasts(world, (world / "database",), "train", AnnotationSettings(), base)
+    out = contrasts_lib.with_candidate_contrasts(world, (world / "database",), "train", AnnotationSettings(), base)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert out.name == "train-abc-contrasts.jsonl" and lines[0] == {"question": "existing"}
     assert [t["provenance"] for t in lines[1:]] == ["candidate"]
-    assert pipe_lib.with_candidate_contrasts(world, (world / "database",), "train", AnnotationSettings(), base) == out
+    assert contrasts_lib.with_candidate_contrasts(world, (world / "database",), "train", AnnotationSettings(), base) == out

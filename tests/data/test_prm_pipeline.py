@@ -13,9 +13,13 @@ import json
 import numpy as np
 import pytest
 
-from caper_jax.data import prm_pipeline as pp
+from caper_jax.data.bucket_plan import bucket_index, default_bucket_lengths, epoch_plan
+from caper_jax.data.clause_encoder import ClauseEncoder, ClauseTooLongError, join_sql, record_side
+from caper_jax.data.prm_records import RecordError, clause_id
+from caper_jax.data.prm_scoring_batches import score_batch
+from caper_jax.data.prm_training_batches import BATCH_KEYS, GROUP_KEYS, PrmPipeline, prm_pipeline
 from caper_jax.sql.clauses import split_clauses
-from caper_jax.sql.contract import CLAUSE_NAMES, COMPOUND_CLAUSE_ID
+from caper_jax.sql.contract import CLAUSE_NAMES, COMPOUND_CLAUSE_ID, prm_prompt
 from caper_jax.sql.contract import END_OF_SQL as END
 from tests.helpers import SCHEMAS, SQLS, make_tokenizer, make_tuples, make_within_tuples, prompt_fn
 
@@ -32,12 +36,12 @@ def tuples():
 LADDER = (48, 64, 96, 128, 192)
 
 
-def build(tuples, tokenizer, **kwargs) -> pp.PrmPipeline:
+def build(tuples, tokenizer, **kwargs) -> PrmPipeline:
     kwargs = dict(global_batch_size=8, max_len=192, bucket_lengths=LADDER, seed=3, prompt_fn=prompt_fn) | kwargs
-    return pp.prm_pipeline(tuples, tokenizer, **kwargs)
+    return prm_pipeline(tuples, tokenizer, **kwargs)
 
 
-def all_batches(pipeline: pp.PrmPipeline) -> list[dict]:
+def all_batches(pipeline: PrmPipeline) -> list[dict]:
     return [pipeline.dataset[i] for i in range(len(pipeline.dataset))]
 
 
@@ -51,7 +55,7 @@ def assert_batches_equal(a: list[dict], b: list[dict]) -> None:
 
 def test_sequence_is_prompt_prefix_clause_scored_at_last_clause_token(tuples, tokenizer):
     batch = build(tuples, tokenizer).dataset[0]
-    assert set(batch) == set(pp.BATCH_KEYS)
+    assert set(batch) == set(BATCH_KEYS)
     for row in np.flatnonzero(batch["weight"]):
         rec = tuples[batch["record_index"][row]]
         for side in ("chosen", "rejected"):
@@ -78,21 +82,21 @@ def test_left_truncation_keeps_the_clause(tokenizer):
     # Reference: the fewest trailing tokens of the whole text that still hold the whole clause.
     fewest = next(m for m in range(1, len(full)) if where.text in tokenizer.decode(full[-m:]))
     for max_len in (fewest, fewest + 3, len(full) - 5):
-        encoder = pp.ClauseEncoder(tokenizer, max_len=max_len, prompt_fn=prompt_fn)
+        encoder = ClauseEncoder(tokenizer, max_len=max_len, prompt_fn=prompt_fn)
         (ids,) = encoder.encode([(question, schema, prefix, where.text)])
         assert len(ids) == max_len
         np.testing.assert_array_equal(ids, full[-max_len:])  # cut from the left only
-    with pytest.raises(pp.ClauseTooLongError, match="record 7"):
-        pp.ClauseEncoder(tokenizer, max_len=fewest - 1, prompt_fn=prompt_fn).encode(
+    with pytest.raises(ClauseTooLongError, match="record 7"):
+        ClauseEncoder(tokenizer, max_len=fewest - 1, prompt_fn=prompt_fn).encode(
             [(question, schema, prefix, where.text)], [7])
 
 
 def test_buckets_are_the_shortest_that_fit_and_only_the_last_batch_pads(tuples, tokenizer):
     pipeline = build(tuples, tokenizer, num_epochs=2)
-    encoder = pp.ClauseEncoder(tokenizer, 192, prompt_fn)
-    lengths = [max(len(ids) for ids in encoder.encode([pp._side(r, "chosen"), pp._side(r, "rejected")]))
+    encoder = ClauseEncoder(tokenizer, 192, prompt_fn)
+    lengths = [max(len(ids) for ids in encoder.encode([record_side(r, "chosen"), record_side(r, "rejected")]))
                for r in tuples]
-    assert len(set(pp.bucket_index(np.asarray(lengths), LADDER))) >= 3  # the data spans buckets
+    assert len(set(bucket_index(np.asarray(lengths), LADDER))) >= 3  # the data spans buckets
     batches = all_batches(pipeline)
     assert pipeline.steps_per_epoch == 6 and len(batches) == 12  # ceil(45 / 8) per epoch
     for epoch in range(2):
@@ -201,7 +205,7 @@ def test_sources_jsonl_bytes_features_and_dataclasses_agree(tuples, tokenizer, t
 def test_bad_records_fail_at_construction_with_their_index(tuples, tokenizer, edit, message):
     bad = [dict(t) for t in tuples[:8]]
     edit(bad[5])
-    with pytest.raises(pp.RecordError, match=message):
+    with pytest.raises(RecordError, match=message):
         build(bad, tokenizer)
 
 
@@ -210,19 +214,19 @@ def test_bad_arguments_are_rejected(tuples, tokenizer):
         build(tuples, tokenizer, global_batch_size=6, process_count=4)
     with pytest.raises(ValueError, match="exceeds the longest bucket"):
         build(tuples, tokenizer, bucket_lengths=(16, 32), max_len=64)
-    with pytest.raises(pp.RecordError, match="record 0: not valid JSON"):
+    with pytest.raises(RecordError, match="record 0: not valid JSON"):
         build([b"{not json"], tokenizer)
 
 
 def test_default_bucket_ladder():
-    assert pp.default_bucket_lengths(1024) == (64, 128, 192, 256, 384, 512, 768, 1024)
-    assert pp.default_bucket_lengths(600) == (64, 128, 192, 256, 384, 512, 600)
-    assert pp.default_bucket_lengths(50) == (50,)
+    assert default_bucket_lengths(1024) == (64, 128, 192, 256, 384, 512, 768, 1024)
+    assert default_bucket_lengths(600) == (64, 128, 192, 256, 384, 512, 600)
+    assert default_bucket_lengths(50) == (50,)
 
 
 def test_epoch_plan_groups_buckets_and_carries_leftovers_up():
     buckets = np.asarray([0] * 5 + [1] * 6 + [2] * 2)
-    rows, batch_bucket = pp.epoch_plan(buckets, 4, seed=0, epoch=0)
+    rows, batch_bucket = epoch_plan(buckets, 4, seed=0, epoch=0)
     assert rows.shape == (4, 4) and sorted(rows[rows >= 0]) == list(range(13))
     for r, b in zip(rows, batch_bucket):
         assert b == buckets[r[r >= 0]].max()
@@ -233,9 +237,9 @@ def test_epoch_plan_groups_buckets_and_carries_leftovers_up():
 def test_score_batch_marks_every_clause_and_matches_training_sequences(tokenizer):
     rows = [dict(question=f"q{i} how many?", schema=SCHEMAS[i % 2], sql=sql) for i, sql in enumerate(SQLS)]
     rows.append(dict(question="broken", schema=SCHEMAS[0], sql="SELEC name FROMM"))
-    out = pp.score_batch(rows, tokenizer, max_len=192, bucket_lengths=LADDER, prompt_fn=prompt_fn)
+    out = score_batch(rows, tokenizer, max_len=192, bucket_lengths=LADDER, prompt_fn=prompt_fn)
     assert out["input_ids"].shape[1] in LADDER and out["clause_pos"].shape[1] == 8
-    encoder = pp.ClauseEncoder(tokenizer, 192, prompt_fn)
+    encoder = ClauseEncoder(tokenizer, 192, prompt_fn)
     for b, row in enumerate(rows[:-1]):
         units = split_clauses(row["sql"])
         prompt = prompt_fn(row["question"], row["schema"])
@@ -246,16 +250,16 @@ def test_score_batch_marks_every_clause_and_matches_training_sequences(tokenizer
             (train_ids,) = encoder.encode([(row["question"], row["schema"], row["sql"][: unit.start],
                                             unit.text + end)])
             np.testing.assert_array_equal(out["input_ids"][b, : pos + 1], train_ids)
-            assert out["clause_id"][b, k] == pp.clause_id(unit.name)
+            assert out["clause_id"][b, k] == clause_id(unit.name)
         assert (out["clause_pos"][b, len(units) :] == -1).all()
     assert (out["clause_pos"][-1] == -1).all() and out["mask"][-1].sum() > 0
 
 
 def test_score_batch_truncation_drops_only_clauses_that_fall_off(tokenizer):
     row = dict(question="q", schema=SCHEMAS[0], sql=SQLS[0])
-    full = pp.score_batch([row], tokenizer, max_len=192, bucket_lengths=LADDER, prompt_fn=prompt_fn)
+    full = score_batch([row], tokenizer, max_len=192, bucket_lengths=LADDER, prompt_fn=prompt_fn)
     sql_tokens = len(tokenizer(SQLS[0], add_special_tokens=False)["input_ids"])
-    cut = pp.score_batch([row], tokenizer, max_len=sql_tokens - 2, bucket_lengths=(sql_tokens - 2,),
+    cut = score_batch([row], tokenizer, max_len=sql_tokens - 2, bucket_lengths=(sql_tokens - 2,),
                          prompt_fn=prompt_fn)
     shift = int(full["mask"].sum()) - (sql_tokens - 2)
     expected = np.where(full["clause_pos"] - shift >= 0, full["clause_pos"] - shift, -1)
@@ -274,11 +278,11 @@ def test_within_groups_score_each_tuple_on_a_prefix_of_one_sequence(kind, tokeni
     # 7 negatives -> 7 groups; the 2 mutation tuples are the pair rows (1 step per epoch).
     assert pipeline.num_groups == len(SQLS) and pipeline.steps_per_epoch == 1
     assert pipeline.host_group_batch_size == 3
-    encoder = pp.ClauseEncoder(tokenizer, 192, prompt_fn)
+    encoder = ClauseEncoder(tokenizer, 192, prompt_fn)
     seen = []
     for step in range(3):  # 7 groups in 3s: 3 steps of the group plan, the last with 2 padding rows
         batch = pipeline.dataset[step]
-        assert set(batch) == set(pp.BATCH_KEYS) | set(pp.GROUP_KEYS)
+        assert set(batch) == set(BATCH_KEYS) | set(GROUP_KEYS)
         assert sorted(batch["record_index"]) == [n_within, n_within + 1]
         assert batch["group_ids"].shape[1] == batch["chosen_ids"].shape[1] and batch["group_pos"].shape[1] == 8
         for row in range(3):
@@ -294,8 +298,8 @@ def test_within_groups_score_each_tuple_on_a_prefix_of_one_sequence(kind, tokeni
             for k, t in enumerate(members, start=1):
                 # Slot k is exactly the token sequence the pair pipeline builds for the chosen side,
                 # slot 0 the one it builds for the rejected (root) side; the margin is the tuple's.
-                (chosen,) = encoder.encode([pp._side(t, "chosen")])
-                (rejected,) = encoder.encode([pp._side(t, "rejected")])
+                (chosen,) = encoder.encode([record_side(t, "chosen")])
+                (rejected,) = encoder.encode([record_side(t, "rejected")])
                 np.testing.assert_array_equal(ids[: pos[k] + 1], chosen)
                 np.testing.assert_array_equal(ids[: pos[0] + 1], rejected)
                 assert margin[k] == np.float32(t["margin"])
@@ -336,8 +340,8 @@ def test_counterfactual_tuples_repeat_per_epoch(tokenizer):
     rows = np.concatenate([pipeline.dataset[s]["record_index"] for s in range(2)])
     assert sorted(rows.tolist()) == [n_within, n_within + 1, n_within + 1, n_within + 1]
     # One cycle of the group plan: 9 group rows in 3 steps of 3; query 0's root state in 3 of them.
-    encoder = pp.ClauseEncoder(tokenizer, 192, prompt_fn)
-    (root0,) = encoder.encode([pp._side(tuples[first[0]], "rejected")])
+    encoder = ClauseEncoder(tokenizer, 192, prompt_fn)
+    (root0,) = encoder.encode([record_side(tuples[first[0]], "rejected")])
     hits = 0
     for step in range(3):
         batch = pipeline.dataset[step]
@@ -396,12 +400,12 @@ def test_real_tokenizer_scores_each_clause_at_its_last_token_as_training_does(qw
     <|im_end|> (248046)."""
     tok, _ = qwen35
     rows = spider_rows(spider)
-    out = pp.score_batch(rows, tok, max_len=2048, bucket_lengths=(512, 1024, 2048))
-    encoder = pp.ClauseEncoder(tok, 2048)
+    out = score_batch(rows, tok, max_len=2048, bucket_lengths=(512, 1024, 2048))
+    encoder = ClauseEncoder(tok, 2048)
     checked = 0
     for b, row in enumerate(rows):
         units = split_clauses(row["sql"])
-        prompt = tok(pp.prm_prompt(row["question"], row["schema"]), add_special_tokens=False)["input_ids"]
+        prompt = tok(prm_prompt(row["question"], row["schema"]), add_special_tokens=False)["input_ids"]
         ids = out["input_ids"][b]
         for k, unit in enumerate(units):
             pos = int(out["clause_pos"][b, k])
@@ -430,16 +434,16 @@ def test_real_tokenizer_pipeline_batches_and_left_truncation(qwen35):
         rec = tuples[batch["record_index"][row]]
         for side in ("chosen", "rejected"):
             ids, pos = batch[f"{side}_ids"][row], batch[f"{side}_pos"][row]
-            text = prompt_fn(rec["question"], rec["schema"]) + pp.join_sql(rec[f"prefix_{side}"], rec[side])
+            text = prompt_fn(rec["question"], rec["schema"]) + join_sql(rec[f"prefix_{side}"], rec[side])
             assert tok.decode(ids[: pos + 1]) == text
             assert (ids[pos + 1:] == 248044).all()
     sql = HARD_SQLS[3]
     where = split_clauses(sql)[2]
-    full = tok(pp.prm_prompt("q", "t(a)"), add_special_tokens=False)["input_ids"] + \
+    full = tok(prm_prompt("q", "t(a)"), add_special_tokens=False)["input_ids"] + \
         tok(sql[: where.end], add_special_tokens=False)["input_ids"]
     clause_tokens = len(tok(" " + where.text, add_special_tokens=False)["input_ids"])   # ' WHERE' ... '2' '0'
     for max_len in (clause_tokens, clause_tokens + 5):
-        (ids,) = pp.ClauseEncoder(tok, max_len).encode([("q", "t(a)", sql[: where.start], where.text)])
+        (ids,) = ClauseEncoder(tok, max_len).encode([("q", "t(a)", sql[: where.start], where.text)])
         assert ids.tolist() == full[-max_len:] and tok.decode(ids).endswith(where.text)
-    with pytest.raises(pp.ClauseTooLongError):
-        pp.ClauseEncoder(tok, clause_tokens - 1).encode([("q", "t(a)", sql[: where.start], where.text)])
+    with pytest.raises(ClauseTooLongError):
+        ClauseEncoder(tok, clause_tokens - 1).encode([("q", "t(a)", sql[: where.start], where.text)])

@@ -121,7 +121,7 @@ def test_within_groups_give_the_loss_of_their_tuples_as_pairs(setup):
     the reference scores the tuples one pair per row with the forward-only eval step and applies
     ``pairwise_loss`` (checked by hand in test_loss.py) to those scores: no second train-step compile."""
     from tests.helpers import make_tokenizer, make_within_tuples, prompt_fn
-    from caper_jax.data.prm_pipeline import prm_pipeline
+    from caper_jax.data.prm_training_batches import prm_pipeline
 
     _, _, params, tx, train, evals, _ = setup
     tokenizer = make_tokenizer()

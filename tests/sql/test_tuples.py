@@ -9,7 +9,7 @@ import math
 import pytest
 from sqlglot import exp
 
-from caper_jax.data.prm_pipeline import decode_record
+from caper_jax.data.prm_records import decode_record
 from caper_jax.sql.clauses import SqlParseError, parse_sql
 from caper_jax.sql.contract import END_OF_SQL as END
 from caper_jax.sql.execution import ExecResult
