@@ -318,7 +318,7 @@ def check_dry_run(config) -> None:
 def dry_run_architecture(config, **changes):
     """What a dry run compiles: ``model.preset``'s architecture in the config's dtypes and remat, its
     layer groups scanned as on an accelerator, ``changes`` overriding fields
-    (``caper_jax.parallel.grpo_dry_run`` builds its PRM without remat)."""
+    (``caper_jax.rl.dry_run`` builds its PRM without remat)."""
     from caper_jax.models.presets import model_preset
 
     runtime = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat,
