@@ -30,6 +30,7 @@ from caper_jax.parallel import multihost
 from caper_jax.parallel.multihost import fetch
 from caper_jax.policy.clause_ends import clause_token_ends, pad_clause_ends
 from caper_jax.policy.sampling import completion_tokens, decode, decode_with_offsets
+from caper_jax.sql.contract import policy_prompt
 from caper_jax.sql.execution import ExecResult, Executors, order_matters, results_equal
 from caper_jax.utils.subset import seeded_subset
 
@@ -137,8 +138,6 @@ def greedy_ex(model, tokenizer, examples, executors: Executors, *, max_prompt_le
 
     Examples whose gold SQL fails to execute are excluded and counted under ``excluded``.
     """
-    from caper_jax.sql.contract import policy_prompt
-
     usable, excluded = [], 0
     for ex in examples:
         gold = executors.execute(ex.db_id, ex.sql)
