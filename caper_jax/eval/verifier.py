@@ -48,12 +48,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from caper_jax.sql.contract import prompt_question, serialize_schema
-from caper_jax.data.spider import DataError, ShownQuestions, load_schemas, load_split
-from caper_jax.sql.semantics import check_semantics
 from caper_jax.sql.clauses import SqlParseError, split_clauses
+from caper_jax.sql.contract import prompt_question, serialize_schema
 from caper_jax.sql.localize import GoldError, localize
 from caper_jax.sql.schema import Schema
+from caper_jax.data.spider import DataError, ShownQuestions, load_schemas, load_split
+from caper_jax.sql.semantics import check_semantics
 from caper_jax.eval.ex import (DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, Databases, PredictionError, data_inputs,
                                grade_predictions, majority_vote)
 from caper_jax.prm.aggregates import AGGREGATES
