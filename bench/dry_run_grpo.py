@@ -1,7 +1,7 @@
 """Dry run of one whole GRPO step at Qwen3.5-9B on simulated devices: every program, its memory,
 FLOPs and tokens, what is resident at once, and the largest prompts-per-step that fits a device.
 
-The programs and the accounting are ``caper_jax.parallel.grpo_dry_run`` (read its docstring). The
+The programs and the accounting are ``caper_jax.rl.dry_run`` (read its docstring). The
 config is ``configs/grpo.py:model=qwen35_9b,variant=clause`` (CAPER: PRM scoring on, beta 0.04: the
 reference on) with G, prompt length and new tokens set here. Nothing is allocated.
 
@@ -73,9 +73,9 @@ from bench._common import start_load_check  # noqa: E402
 
 LOAD = start_load_check(own=1)  # compiling keeps about one core busy; the figures do not depend on load
 
-from caper_jax.parallel import grpo_dry_run as plan_lib  # noqa: E402
 from caper_jax.parallel.dry_run import GiB  # noqa: E402
 from caper_jax.parallel.mesh import make_mesh  # noqa: E402
+from caper_jax.rl import dry_run as plan_lib  # noqa: E402
 from configs.grpo import get_config  # noqa: E402
 
 

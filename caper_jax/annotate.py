@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator
 from absl import app, flags
 from ml_collections import ConfigDict, config_flags
 
+from caper_jax.demo.world import build_demo_world
 from caper_jax.sql.execution import Executor
 from caper_jax.sql.localize import GoldError, localize
 from caper_jax.utils import atomic, cli
@@ -217,7 +218,7 @@ def run_build(config: ConfigDict, beam_options: str | None = None) -> dict[str, 
     ``beam_options`` (a string of Beam pipeline flags) runs the annotation on Apache Beam.
     """
     from caper_jax.data import tfds_caper      # tensorflow_datasets only for this command
-    import tensorflow_datasets as tfds
+    import tensorflow_datasets as tfds  # TFDS only for this command
 
     settings = settings_from_config(config)
     check_build(config, beam=beam_options is not None)
@@ -226,7 +227,6 @@ def run_build(config: ConfigDict, beam_options: str | None = None) -> dict[str, 
         manual_dir = str(pathlib.Path(config.data_dir or tfds.core.constants.DATA_DIR).expanduser()
                          / "caper_demo_world")
     if config.name == "demo":   # reuses a finished build with the same settings
-        from caper_jax.demo.world import build_demo_world
         build_demo_world(manual_dir, seed=config.data.demo_seed)
     if not manual_dir:
         cli.usage_error("set --config.data.manual_dir to a Spider/BIRD layout directory")
@@ -235,7 +235,7 @@ def run_build(config: ConfigDict, beam_options: str | None = None) -> dict[str, 
                    database_dir=config.data.database_dir)
     download_config = tfds.download.DownloadConfig(manual_dir=manual_dir)
     if beam_options is not None:
-        from apache_beam.options.pipeline_options import PipelineOptions
+        from apache_beam.options.pipeline_options import PipelineOptions  # apache_beam: --beam_options only
 
         download_config = tfds.download.DownloadConfig(
             manual_dir=manual_dir, beam_options=PipelineOptions(flags=beam_options.split()))

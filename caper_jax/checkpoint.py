@@ -278,7 +278,7 @@ class Checkpointer:
                 _log.warning("checkpoint %s/%d is unusable: %s; set aside as %s; trying an older one",
                              self.directory, step, problem, moved.name)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
+            from jax.experimental import multihost_utils  # only multi-host runs reach it
 
             # Process 0 renamed before it broadcasts, so every process reloads after the renames.
             chosen, set_aside = (int(v) for v in multihost_utils.broadcast_one_to_all(

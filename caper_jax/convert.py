@@ -54,6 +54,8 @@ from caper_jax.checkpoint import Checkpointer
 from caper_jax.data import qwen35_tokenizer
 from caper_jax.data.qwen35_tokenizer import PackageUnavailable
 from caper_jax.models import Qwen35Config, Qwen35ForCausalLM, from_hf, to_hf
+from caper_jax.parallel import mesh as mesh_lib
+from caper_jax.parallel.rules import DEFAULT_RULES
 from caper_jax.utils import atomic, cli
 
 FLAGS = flags.FLAGS
@@ -81,9 +83,6 @@ def save_run(model: Qwen35ForCausalLM, config: Qwen35Config, hf_dir: str | pathl
 
 def load_run_model(ckpt: str | pathlib.Path) -> tuple[Qwen35ForCausalLM, Qwen35Config]:
     """The causal LM of a converted or SFT/GRPO run, its parameters spread over every device."""
-    from caper_jax.parallel import mesh as mesh_lib
-    from caper_jax.parallel.rules import DEFAULT_RULES
-
     mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
     run = runs.load_run(ckpt, module=Qwen35ForCausalLM, mesh=mesh, rules=tuple(tuple(r) for r in DEFAULT_RULES),
                         trainers=runs.POLICY_TRAINERS)
@@ -127,7 +126,7 @@ def verify(hf_dir: str, batch: int = 2, seq_len: int = 96, new_tokens: int = 16,
     report: dict[str, Any] = {
         "hf_dir": str(hf_dir), "batch": batch, "seq_len": seq_len, "finite": bool(np.isfinite(ours).all())
     }
-    import torch
+    import torch  # torch, transformers: `convert verify` only
     import transformers
     reference = transformers.Qwen3_5ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -88,7 +88,7 @@ def run_ex(flag_values: flags.FlagValues) -> int:
 
 
 def run_policy(flag_values: flags.FlagValues) -> int:
-    from caper_jax.eval.validate import validate_eval_config
+    from caper_jax.eval.validate import validate_eval_config  # JAX: `evaluate policy` only; `ex` loads none
 
     config = flag_values.config
     if (problem := cli.config_load_error(config)) is not None:
@@ -101,7 +101,7 @@ def run_policy(flag_values: flags.FlagValues) -> int:
     except (AttributeError, KeyError, ValueError, TypeError) as error:
         print(f"error: invalid eval config: {error}", file=sys.stderr)
         return 2
-    from caper_jax.eval import policy
+    from caper_jax.eval import policy  # the policy stack loads once the config is checked
 
     started = time.perf_counter()
     try:

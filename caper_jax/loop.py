@@ -29,6 +29,9 @@ from flax import nnx
 
 from caper_jax import checkpoint as ckpt_lib
 from caper_jax.data import data_world
+from caper_jax.models.config import REMAT_POLICIES
+from caper_jax.models.presets import PRESETS, model_preset
+from caper_jax.parallel import dry_run as dry_run_lib
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
@@ -42,9 +45,6 @@ from caper_jax.utils.optim import TrainState, init_state, learning_rate, make_op
 def check_config(config, *, positive: tuple[str, ...]) -> None:
     """The checks every trainer's config shares, one rule each; ``positive`` names the top-level
     integers that must be >= 1 (log_every, ckpt_every, ...)."""
-    from caper_jax.models.config import REMAT_POLICIES
-    from caper_jax.models.presets import PRESETS
-
     data_world.check_data_config(config)   # data.kind; Spider data needs its folder and a tokenizer
     # An HF directory brings its own architecture; the preset then only names the dry run's shapes
     # (check_dry_run refuses an unknown one there).
@@ -139,7 +139,7 @@ class StopRequest:
     def at(self, step: int) -> bool:
         if jax.process_count() == 1:
             return self.signalled
-        from jax.experimental import multihost_utils
+        from jax.experimental import multihost_utils  # only multi-host runs reach it
 
         try:
             return multihost_utils.reached_preemption_sync_point(step)
@@ -286,7 +286,7 @@ def finish_policy_run(run: TrainingRun, results: dict, rows: list[dict], policy,
     run.finish({k: v for k, v in results.items() if k.startswith("eval/")} if "eval/n" in results else None,
                curves=curves, png=png, title=title)
     if run.config.export_hf:
-        from caper_jax.models import to_hf
+        from caper_jax.models import to_hf  # hf_io (safetensors) loads on first use: models.__getattr__
 
         out = to_hf(policy, policy.config, run.workdir / "hf_export")
         if run.main:
@@ -303,8 +303,6 @@ def finish_policy_run(run: TrainingRun, results: dict, rows: list[dict], policy,
 def check_dry_run(config) -> None:
     """The dry run's config rule on top of ``check_config``: it compiles ``model.preset``'s shapes (it
     reads no HF directory), so the preset must be known even when ``model.hf_dir`` is set."""
-    from caper_jax.models.presets import PRESETS
-
     if "model" not in config:   # an experiment (caper_jax.experiments): its stages' dry runs compile theirs
         for stage in ("sft", "prm", "grpo"):   # configs/spider_verifier.py has no grpo stage
             if stage in config:
@@ -318,9 +316,7 @@ def check_dry_run(config) -> None:
 def dry_run_architecture(config, **changes):
     """What a dry run compiles: ``model.preset``'s architecture in the config's dtypes and remat, its
     layer groups scanned as on an accelerator, ``changes`` overriding fields
-    (``caper_jax.parallel.grpo_dry_run`` builds its PRM without remat)."""
-    from caper_jax.models.presets import model_preset
-
+    (``caper_jax.rl.dry_run`` builds its PRM without remat)."""
     runtime = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat,
                    unroll_layers=False)
     return model_preset(config.model.preset, **{**runtime, **changes})
@@ -334,8 +330,6 @@ def dry_run(config, module: type[nnx.Module], make_step: Callable[[Any, Any], Ca
     tx)`` the jitted step; ``make_batch(struct)`` its batch, ``struct(shape, dtype)`` being an abstract
     array with the batch sharding.
     """
-    from caper_jax.parallel.dry_run import report
-
     mesh, rules = mesh_and_rules(config)
     arch = dry_run_architecture(config)
     tx = make_optimizer(config.optim)
@@ -348,4 +342,4 @@ def dry_run(config, module: type[nnx.Module], make_step: Callable[[Any, Any], Ca
     batch = make_batch(struct)
     step = make_step(graphdef, tx)
     print(description)
-    return report(step, (abstract, batch), mesh, params=abstract.params)
+    return dry_run_lib.report(step, (abstract, batch), mesh, params=abstract.params)

@@ -79,7 +79,7 @@ class RunInfo:
 
     def tokenizer(self):
         """The run's tokenizer (``AutoTokenizer`` of ``tokenizer_dir``)."""
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # transformers loads when a tokenizer is asked for
 
         if self.tokenizer_dir is None:
             raise CheckpointError(f"{self.step_dir}: the run records no tokenizer")

@@ -71,7 +71,7 @@ def main(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> int:
     command = command[0]
     cli.check_command(flag_values, f"verify {command}", defined=COMMAND_FLAGS["rerank"] + COMMAND_FLAGS["localize"],
                       reads=COMMAND_FLAGS[command], required=REQUIRED[command])
-    from caper_jax.prm import scoring
+    from caper_jax.prm import scoring  # JAX and the PRM load once the flags are checked
 
     f = flag_values
     started = time.perf_counter()

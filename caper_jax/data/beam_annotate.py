@@ -20,7 +20,7 @@ from typing import Any
 
 import tensorflow_datasets as tfds
 
-from caper_jax.sql.tuples import AnnotationSettings, AnnotationSummary
+from caper_jax.sql.tuples import AnnotationSettings, AnnotationSummary, Annotator
 
 beam = tfds.core.lazy_imports.apache_beam
 
@@ -33,8 +33,6 @@ class _AnnotateFn(beam.DoFn):
         self.annotator = None
 
     def setup(self) -> None:
-        from caper_jax.sql.tuples import Annotator
-
         self.annotator = Annotator(tuple(pathlib.Path(d) for d in self.database_dir), self.settings, self.tables)
 
     def process(self, element: tuple[int, dict]) -> Iterator[Any]:

@@ -20,6 +20,7 @@ import dataclasses
 import pathlib
 
 from caper_jax.data import spider as readers
+from caper_jax.demo.world import build_demo_world
 
 
 class WorldError(ValueError):
@@ -40,7 +41,7 @@ class DataWorld:
 
 
 def _tokenizer_from(path: str):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers loads only when a tokenizer is read
 
     return AutoTokenizer.from_pretrained(path)
 
@@ -62,8 +63,7 @@ def prepare_world(config, workdir: str | pathlib.Path) -> DataWorld:
     check_data_config(config)
     kind = config.data.kind
     if kind == "demo":
-        from caper_jax.demo.world import build_demo_world
-        from caper_jax.data.tokenizer import build_demo_tokenizer
+        from caper_jax.data.tokenizer import build_demo_tokenizer  # transformers, tokenizers: the demo only
 
         root = pathlib.Path(config.data.dir) if config.data.dir else pathlib.Path(workdir) / "demo_world"
         build_demo_world(root, seed=config.seed, train_size=config.data.demo_train_size,

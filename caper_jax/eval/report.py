@@ -23,10 +23,10 @@ def _clause_key(name: str) -> int:
 
 def plot_confusion(confusion: dict[str, dict[str, int]], out_png: pathlib.Path, *, title: str) -> None:
     """Heat map of ``confusion[true][blamed]`` counts, colour = share of the true clause's row."""
-    import matplotlib
+    import matplotlib  # matplotlib loads only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
 
     true = sorted(confusion, key=_clause_key)
     blamed = sorted({b for row in confusion.values() for b in row} | set(true), key=_clause_key)

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import pathlib
 
+import jax
+
+from caper_jax.parallel import mesh as mesh_lib
+from caper_jax.parallel import rules as rules_lib
+from caper_jax.prm.aggregates import AGGREGATES
 from caper_jax.sql.semantics import check_semantics
 
 
 def validate_eval_config(config) -> None:
     """Every value of configs/eval.py checked before any model or data is loaded."""
-    import jax
-
-    from caper_jax.parallel import mesh as mesh_lib
-    from caper_jax.parallel import rules as rules_lib
-    from caper_jax.prm.aggregates import AGGREGATES
-
     if bool(config.policy.workdir) == bool(config.policy.hf_dir):
         raise ValueError("set exactly one of policy.workdir and policy.hf_dir")
     for key, path in (("policy.workdir", config.policy.workdir), ("policy.hf_dir", config.policy.hf_dir),

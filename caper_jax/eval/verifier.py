@@ -48,7 +48,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from caper_jax.sql.clauses import SqlParseError, split_clauses
 from caper_jax.sql.contract import prompt_question, serialize_schema
+from caper_jax.sql.localize import GoldError, localize
+from caper_jax.sql.schema import Schema
 from caper_jax.data.spider import DataError, ShownQuestions, load_schemas, load_split
 from caper_jax.sql.semantics import check_semantics
 from caper_jax.eval.ex import (DEFAULT_MAX_ROWS, DEFAULT_TIMEOUT_S, Databases, GradingTally, PredictionError,
@@ -94,7 +97,7 @@ def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: 
            timeout_s: float = DEFAULT_TIMEOUT_S, max_rows: int = DEFAULT_MAX_ROWS,
            report: Report | None = None) -> dict:
     """Reranks every candidates line with the PRM; returns the summary (module docstring)."""
-    from caper_jax.prm import scoring
+    from caper_jax.prm import scoring  # JAX loads only where the PRM is used: verify checks flags first
 
     if aggregate not in AGGREGATES:
         raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
@@ -151,7 +154,7 @@ def rerank(scorer: Scorer, data_dir: str | os.PathLike, split: str, candidates: 
 
 
 def _output_row(line: dict, how: str) -> dict:
-    from caper_jax.prm import scoring
+    from caper_jax.prm import scoring  # JAX loads only where the PRM is used: verify checks flags first
 
     prediction = line["prediction"]
     if "right" not in line:
@@ -183,10 +186,7 @@ def _json_float(x: float) -> float | str | None:
 def read_failures(data_dir: str | os.PathLike, split: str, predictions: str | os.PathLike, *,
                   timeout_s: float = DEFAULT_TIMEOUT_S, report: Report | None = None) -> tuple[list[dict], dict]:
     """Failed predictions with their root clause, as rows for scoring; and counts of skipped lines."""
-    from caper_jax.sql.clauses import SqlParseError, split_clauses
-    from caper_jax.sql.localize import GoldError, localize
-    from caper_jax.sql.schema import Schema
-    from caper_jax.prm.heldout import with_baseline_inputs
+    from caper_jax.prm.heldout import with_baseline_inputs  # JAX (prm.scoring): as above
 
     report = report or _stderr
     examples: list = []
@@ -282,7 +282,7 @@ def _failure_record(record: Any, split_examples: Callable[[], list]) -> dict:
 
 def localization_report(scorer: Scorer, rows: list[dict], out_dir: str | os.PathLike, skipped: dict) -> dict:
     """Scores the failures, summarises PRM vs baselines, writes json, markdown and plots."""
-    from caper_jax.eval import report as report_lib
+    from caper_jax.eval import report as report_lib  # JAX (prm.heldout): loaded where the PRM is used
     from caper_jax.prm import heldout
 
     localization = heldout.localization_summaries(rows, scorer.score_queries(rows)) if rows else {}

@@ -198,7 +198,7 @@ def plot_grpo_curves(curves: dict, out_png: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib loads only when a plot is drawn
 
     keys = ("rollout/reward_mean", "rollout/ex")
     fig, axes = plt.subplots(1, len(keys), figsize=(9, 3.4), squeeze=False)

@@ -29,7 +29,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from caper_jax.models.config import Qwen35Config
@@ -97,8 +97,6 @@ def _to_hf_layout(tensor: np.ndarray, layout: str) -> np.ndarray:
 
 def _safe_open(path: pathlib.Path):
     """``safe_open``, with a damaged file (a truncated download, another format) as a CheckpointError."""
-    from safetensors import SafetensorError
-
     try:
         return safe_open(path, framework="numpy")
     except (SafetensorError, OSError) as error:

@@ -11,8 +11,8 @@ small arrays:
   otherwise (a non-canonical token sequence) each token's end is the length of the decoded prefix up
   to it, and a token that completes no character yet (part of a multi-byte character) gets an empty
   span, so a clause ending in that character maps to the token that completes it.
-* **Clause ends**: ``split_clauses`` character spans -> ``spans_to_token_ends`` over those offsets, in
-  completion coordinates (token 0 = first generated token).
+* **Clause ends** (``clause_ends``): ``split_clauses`` character spans -> ``spans_to_token_ends`` over those
+  offsets, in completion coordinates (token 0 = first generated token).
 * **Execution reward**: the completion runs sandboxed (read-only, authoriser, timeout, row cap) and is
   compared with the gold result (Spider semantics: ordered iff the gold has ORDER BY). Correct ->
   ``correct_reward``, wrong result -> ``wrong_reward``, error / empty / unparseable -> ``failure_reward``.
@@ -28,9 +28,9 @@ import numpy as np
 from caper_jax.models.sampler import SampleOutput
 from caper_jax.parallel import multihost
 from caper_jax.parallel.multihost import fetch
+from caper_jax.policy.clause_ends import clause_token_ends, pad_clause_ends
 from caper_jax.policy.sampling import completion_tokens, decode, decode_with_offsets
-from caper_jax.rl.rewards import pad_clause_ends, spans_to_token_ends
-from caper_jax.sql.clauses import SqlParseError, split_clauses
+from caper_jax.sql.contract import policy_prompt
 from caper_jax.sql.execution import ExecResult, Executors, order_matters, results_equal
 from caper_jax.utils.subset import seeded_subset
 
@@ -51,22 +51,6 @@ class ScoredCompletion:
     executed: bool            # SQLite ran it without error
     correct: bool             # result equals the gold result
     reward: float             # execution reward (RewardConfig)
-
-
-def clause_token_ends(text: str, offsets: np.ndarray) -> tuple[np.ndarray, bool]:
-    """(token index of each top-level clause's last token, whether the text parsed into clauses)."""
-    if not text.strip():
-        return np.zeros(0, np.int32), False
-    try:
-        units = split_clauses(text)
-    except SqlParseError:
-        return np.zeros(0, np.int32), False
-    if not units:
-        return np.zeros(0, np.int32), False
-    try:
-        return spans_to_token_ends(units, offsets), True
-    except ValueError:  # spans the offsets cannot place (e.g. no non-empty token): treat as unparsed
-        return np.zeros(0, np.int32), False
 
 
 def execution_reward(executors: Executors, db_id: str, gold_sql: str, gold: ExecResult, sql: str,
@@ -154,8 +138,6 @@ def greedy_ex(model, tokenizer, examples, executors: Executors, *, max_prompt_le
 
     Examples whose gold SQL fails to execute are excluded and counted under ``excluded``.
     """
-    from caper_jax.sql.contract import policy_prompt
-
     usable, excluded = [], 0
     for ex in examples:
         gold = executors.execute(ex.db_id, ex.sql)

@@ -17,6 +17,7 @@ from flax import nnx
 
 from caper_jax.models import hf_io
 from caper_jax.parallel.multihost import fetch
+from caper_jax.parallel.rules import logical_to_sharding
 from caper_jax.prm.model import ClausePRM, backbone_config
 from caper_jax.utils.errors import CheckpointError
 
@@ -54,8 +55,6 @@ def load_prm_from_hf(hf_dir: str | pathlib.Path, mesh=None, rules=None, *, dtype
     prm = ClausePRM(config, rngs=nnx.Rngs(0), backbone=backbone)
     value = jnp.asarray(head[0], jnp.float32)
     if mesh is not None:
-        from caper_jax.parallel.rules import logical_to_sharding
-
         value = jax.device_put(value, logical_to_sharding(prm.score_head, mesh, rules or ()).get_value())
     prm.score_head.set_value(value)
     return prm

@@ -25,6 +25,7 @@ from caper_jax.data.spider import ShownQuestions, load_schemas
 from caper_jax.parallel import multihost
 from caper_jax.prm import localization as loc
 from caper_jax.prm.scoring import scores_in_batches
+from caper_jax.sql import canonical as canon
 from caper_jax.sql.clauses import SqlParseError, split_clauses
 from caper_jax.sql.contract import CLAUSE_ORDER, serialize_schema
 from caper_jax.sql.localize import GoldError, localize
@@ -143,8 +144,6 @@ def clause_forms(sql: str, schema=None) -> dict[str, object]:
     and qualification normalised); where canonicalisation fails or its clauses do not line up with
     ``split_clauses``' units, the whitespace/case-normalised clause text stands in.
     """
-    from caper_jax.sql import canonical as canon
-
     try:
         units = split_clauses(sql)
     except SqlParseError:
@@ -166,8 +165,6 @@ def with_baseline_inputs(row: dict, record: dict, schema=None) -> dict:
     if logprob is not None and len(logprob) == len(row["pred_units"]):
         row["clause_logprob"] = [float("-inf") if x is None else float(x) for x in logprob]
     if record.get("samples"):
-        from caper_jax.sql import canonical as canon
-
         forms = clause_forms(row["sql"], schema)
         keys = [p.key for p in canon.positions([n for n, _ in row["pred_units"]])]
         row["pred_forms"] = [(key, forms.get(key, object())) for key in keys]

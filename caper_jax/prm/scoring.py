@@ -55,8 +55,11 @@ from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
 from caper_jax.prm import step as step_lib
 from caper_jax.prm.aggregates import AGGREGATES, SELECTORS, VOTE_PREFIX
+from caper_jax.prm.export import load_prm_from_hf
 from caper_jax.prm.model import ClausePRM
 from caper_jax.sql.clauses import SqlParseError, split_clauses
+from caper_jax.sql.execution import results_equal
+from caper_jax.sql.semantics import comparison
 from caper_jax.utils.errors import CheckpointError
 
 DEFAULT_MAX_LEN = 1024
@@ -101,9 +104,6 @@ def member_weight(aggregate_score: float) -> float:
 def result_classes(results: Sequence[Any], semantics: str) -> list[int | None]:
     """Execution-result class of each candidate (None for a failed execution), numbered in order of first
     appearance; two results share a class when majority vote would count them as one answer."""
-    from caper_jax.sql.execution import results_equal
-    from caper_jax.sql.semantics import comparison
-
     representatives: list[Any] = []
     out: list[int | None] = []
     for result in results:
@@ -237,7 +237,7 @@ def load_scorer(path: str | pathlib.Path, *, mesh=None, rules=None, batch_size: 
     rules = tuple(tuple(r) for r in (rules if rules is not None else rules_lib.DEFAULT_RULES))
     if _is_hf_dir(path):
         model = load_hf_prm(path, mesh, rules, dtype=dtype or "float32")
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # transformers: only an HF-directory PRM reads its tokenizer here
 
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         return ClausePrmScorer(model, tokenizer, mesh=mesh, rules=rules, batch_size=batch_size,
@@ -251,8 +251,6 @@ def load_scorer(path: str | pathlib.Path, *, mesh=None, rules=None, batch_size: 
 
 def load_hf_prm(hf_dir: str | pathlib.Path, mesh, rules, *, dtype: str = "float32") -> ClausePRM:
     """A ClausePRM from an ``export_prm_to_hf`` directory (backbone tensors + ``score.weight``)."""
-    from caper_jax.prm.export import load_prm_from_hf
-
     try:
         return load_prm_from_hf(hf_dir, mesh, rules, dtype=dtype)
     except CheckpointError as e:

@@ -25,15 +25,18 @@ from caper_jax.data.candidate_contrasts import with_candidate_contrasts
 from caper_jax.data.prm_records import JsonlSource
 from caper_jax.data.prm_training_batches import GROUP_SLOT_MULTIPLE, prm_pipeline
 from caper_jax.data.data_world import DataWorld, prepare_world
+from caper_jax.data.spider import split_files
 from caper_jax.models import Qwen35ForCausalLM
+from caper_jax.models.presets import model_preset
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
 from caper_jax.prm import heldout
-from caper_jax.prm.export import export_prm_to_hf
+from caper_jax.prm.export import export_prm_to_hf, load_prm_backbone
 from caper_jax.prm.loss import LmAuxConfig, PairLossConfig
-from caper_jax.prm.model import ClausePRM
+from caper_jax.prm.model import ClausePRM, backbone_config
 from caper_jax.prm import step as step_lib
 from caper_jax.utils import optim as optim_lib
+from caper_jax.utils import summary as summary_lib
 from caper_jax.sql.tuples import TUPLE_FORMAT, AnnotationSettings
 from caper_jax.utils.errors import CheckpointError
 
@@ -78,10 +81,8 @@ def annotate_split(world: DataWorld, split: str, settings: AnnotationSettings, c
     Annotation is deterministic (each trajectory seeds its own randomness), so every process of a
     multi-host job may build the same file; the atomic rename makes concurrent builds harmless.
     """
-    from caper_jax.data.annotation_source import annotated_dataset, trajectory_dataset
-    from caper_jax.data.tfds_caper import read_tables
-
-    from caper_jax.data.spider import split_files
+    from caper_jax.data.annotation_source import annotated_dataset, trajectory_dataset  # Grain, TFDS: a run
+    from caper_jax.data.tfds_caper import read_tables  # that annotates its own tuples loads them
 
     # The split's files are part of the key: Spider's train reads train_others.json too since issue 15.
     files = [str(p.relative_to(world.dir)) for p in split_files(world.dir, split)]
@@ -153,12 +154,8 @@ def check_init_from(config, run: runs.RunInfo | None = None, vocab_size: int | N
 def build_model(config, vocab_size: int, mesh, rules) -> ClausePRM:
     """A ClausePRM created directly in its sharded layout: random init, HF weights, or (``model.init_from``)
     the backbone of an SFT/GRPO run — the policy as the stand-in for pretraining; the score head is new."""
-    from caper_jax.models.presets import model_preset
-
     runtime = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat)
     if config.model.get("init_from"):
-        from caper_jax.prm.model import backbone_config
-
         # The newest whole checkpoint's params, read onto their shardings.
         try:
             run = runs.load_run(config.model.init_from, module=Qwen35ForCausalLM, mesh=mesh, rules=rules,
@@ -173,8 +170,6 @@ def build_model(config, vocab_size: int, mesh, rules) -> ClausePRM:
         backbone.config = backbone_config(arch)
         return ClausePRM(arch, rngs=nnx.Rngs(config.seed), backbone=backbone)
     if config.model.hf_dir:
-        from caper_jax.prm.export import load_prm_backbone
-
         return load_prm_backbone(config.model.hf_dir, mesh, rules, seed=config.seed, **runtime)
     model_config = model_preset(config.model.preset, vocab_size=vocab_size, **runtime)
     # mesh/rules reach the model's activation constraints; without them GSPMD replicated the
@@ -249,8 +244,6 @@ def run(config, workdir: str) -> dict:
     run.finish(results["metrics"], curves=["train/loss", "train/accuracy", "eval/pair_accuracy", "eval/loss"],
                png="loss_curve.png", title="Clause-PRM training")
     write_outputs(config, workdir, results, nnx.merge(graphdef, state.params), tokenizer, main=run.main)
-    from caper_jax.utils import summary as summary_lib
-
     summary_lib.prm_run(results, workdir, run.elapsed(), export=config.export_hf)
     return results
 

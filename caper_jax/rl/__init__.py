@@ -1,12 +1,11 @@
 """GRPO core: reward layouts, clause-level advantages, the clipped-surrogate loss (log-probs:
-``caper_jax.policy.logprobs``).
+``caper_jax.policy.logprobs``; clause ends of a completion: ``caper_jax.policy.clause_ends``).
 
 Pure functions on padded arrays (docs/grpo.md); the training loop wires them to the sampler and PRM.
 """
 from caper_jax.rl.advantages import clause_advantages, discounted_return_to_go, normalise_group_rewards
 from caper_jax.rl.losses import AGGREGATIONS, aggregate, grpo_loss
-from caper_jax.rl.rewards import (VARIANTS, RewardVariant, layout_rewards, pad_clause_ends, register_variant,
-                                  reward_variant, spans_to_token_ends)
+from caper_jax.rl.rewards import VARIANTS, RewardVariant, layout_rewards, register_variant, reward_variant
 
 __all__ = [
     "AGGREGATIONS",
@@ -18,8 +17,6 @@ __all__ = [
     "grpo_loss",
     "layout_rewards",
     "normalise_group_rewards",
-    "pad_clause_ends",
     "register_variant",
     "reward_variant",
-    "spans_to_token_ends",
 ]

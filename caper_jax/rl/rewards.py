@@ -29,18 +29,17 @@ The variants are a registry (``register_variant``): each is a function with one 
 (what the GRPO trainer's config accepts) is the registry's names; everything after the unit ends
 (fallback, sorting, rewards, token ownership) is shared.
 
-``spans_to_token_ends`` is the host-side bridge from ``caper_jax.sql.clauses.split_clauses`` character
-spans to token positions, using a tokenizer's offset mapping.
+The clause ends come from the policy's side (``caper_jax.policy.clause_ends``: character spans of
+``split_clauses`` to token positions, padded into ``[B, K]``).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Iterable, Sequence
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 Array = jax.Array
 UnitEnds = Callable[[Array, Array], tuple[Array, Array]]  # (clause_ends, token_mask) -> (ends, valid)
@@ -185,64 +184,3 @@ def layout_rewards(
     owner = jnp.minimum(owner, units[:, None] - 1).astype(jnp.int32)
     token_clause = jnp.where(token_mask & (units[:, None] > 0), owner, -1)
     return clause_rewards, valid, token_clause
-
-
-def _span_bounds(span) -> tuple[int, int]:
-    if hasattr(span, "start") and hasattr(span, "end"):
-        return int(span.start), int(span.end)
-    start, end = span
-    return int(start), int(end)
-
-
-def spans_to_token_ends(spans: Iterable, offsets: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
-    """Token index of the last token of each character span.
-
-    Args:
-      spans: ``(start, end)`` pairs (end exclusive) or objects with ``.start``/``.end`` such as
-        ``caper_jax.sql.clauses.ClauseUnit``, as character offsets into the tokenised text.
-      offsets: ``[T, 2]`` character ``(start, end)`` of each token (a Hugging Face tokenizer's
-        ``return_offsets_mapping=True``); empty tokens ``(s, s)`` such as special tokens are skipped.
-
-    Returns:
-      ``int32 [len(spans)]``: for each span, the token holding its last character ``end - 1``. A span
-      that ends inside a token maps to that token (the PRM must see the whole clause, so the score is
-      read once the token completing it has been generated); a character that falls between tokens
-      (e.g. whitespace a tokenizer leaves out of its offsets) maps to the last token before it.
-      Ends are non-decreasing when the spans are in text order.
-
-    Raises:
-      ValueError: an empty span, or a span ending before the first token or past the last one.
-    """
-    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-    nonempty = np.flatnonzero(offsets[:, 1] > offsets[:, 0])
-    if nonempty.size == 0:
-        raise ValueError("offsets hold no non-empty token")
-    token_starts = offsets[nonempty, 0]
-    text_end = int(offsets[nonempty, 1].max())
-    ends = []
-    for span in spans:
-        start, end = _span_bounds(span)
-        if end <= start:
-            raise ValueError(f"empty or reversed span ({start}, {end})")
-        last_char = end - 1
-        if last_char >= text_end:
-            raise ValueError(f"span ({start}, {end}) ends past the tokenised text (ends at {text_end})")
-        slot = int(np.searchsorted(token_starts, last_char, side="right")) - 1
-        if slot < 0:
-            raise ValueError(f"span ({start}, {end}) ends before the first token")
-        ends.append(int(nonempty[slot]))
-    return np.asarray(ends, dtype=np.int32)
-
-
-def pad_clause_ends(rows: Sequence[Sequence[int]], max_clauses: int) -> np.ndarray:
-    """Stacks per-row clause ends into ``int32 [B, max_clauses]`` padded with -1.
-
-    Raises ValueError when a row has more than ``max_clauses`` ends (truncating would silently move
-    the execution reward to the wrong clause).
-    """
-    out = np.full((len(rows), max_clauses), -1, dtype=np.int32)
-    for i, row in enumerate(rows):
-        if len(row) > max_clauses:
-            raise ValueError(f"row {i} has {len(row)} clause ends > max_clauses {max_clauses}")
-        out[i, : len(row)] = row
-    return out

@@ -1,6 +1,6 @@
 """The jitted programs of one GRPO step: pure functions of (state | params, batch).
 
-``caper_jax.rl.trainer`` runs them in the order its docstring lists; ``caper_jax.parallel.grpo_dry_run``
+``caper_jax.rl.trainer`` runs them in the order its docstring lists; ``caper_jax.rl.dry_run``
 compiles the same programs on abstract shapes. ``update_step`` refuses (keeps the state) a non-finite
 loss or gradient inside the jitted function, as the PRM and SFT steps do.
 """

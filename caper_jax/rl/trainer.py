@@ -44,6 +44,9 @@ from caper_jax.rl.rewards import reward_variant
 from caper_jax.rl.step import (advantages_from_rewards, jit_completion_logprobs, jit_update, prm_token_scores,
                                updates_per_step)
 from caper_jax.sft import data as data_lib
+from caper_jax.sql.contract import policy_prompt
+from caper_jax.sql.execution import Executors
+from caper_jax.utils import summary as summary_lib
 
 log = logging.getLogger("caper_jax")
 
@@ -190,9 +193,7 @@ def reward_config(config) -> rollout_lib.RewardConfig:
 
 
 def run(config, workdir: str) -> dict:
-    from caper_jax.sql.contract import policy_prompt
     from caper_jax.data.data_world import prepare_world
-    from caper_jax.sql.execution import Executors
 
     check_runs(config)   # before the workdir and the world are made
     run = loop.TrainingRun.start(config, workdir)
@@ -332,8 +333,6 @@ def run(config, workdir: str) -> dict:
     loop.finish_policy_run(run, results, rows, policy, tokenizer,
                            curves=["rollout/reward_mean", "rollout/ex", "train/kl_ref", "train/entropy"],
                            png="grpo_curves.png", title=f"GRPO ({config.reward.variant})")
-    from caper_jax.utils import summary as summary_lib
-
     summary_lib.policy_run(f"GRPO ({config.reward.variant})", results, run.workdir, run.elapsed(),
                            eval_split=config.data.eval_split, png="grpo_curves.png", export=config.export_hf)
     return results

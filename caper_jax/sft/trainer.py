@@ -19,11 +19,15 @@ import optax
 from flax import nnx
 
 from caper_jax import loop, runs
+from caper_jax.data.data_world import prepare_world
 from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.parallel import multihost
 from caper_jax.policy.build import build_policy
 from caper_jax.policy.logprobs import lm_head, token_logprobs
 from caper_jax.policy.prompts import stop_token_id
+from caper_jax.policy.rollout import held_out_ex
+from caper_jax.sql.execution import Executors
+from caper_jax.utils import summary as summary_lib
 from caper_jax.utils.optim import TrainState, guarded_update, make_optimizer
 from caper_jax.sft import data as data_lib
 
@@ -75,10 +79,6 @@ def validate(config) -> None:
 
 
 def run(config, workdir: str) -> dict:
-    from caper_jax.data.data_world import prepare_world
-    from caper_jax.policy.rollout import held_out_ex
-    from caper_jax.sql.execution import Executors
-
     run = loop.TrainingRun.start(config, workdir)
     world = prepare_world(config, run.workdir)
     tokenizer = world.tokenizer
@@ -126,8 +126,6 @@ def run(config, workdir: str) -> dict:
         results.update(ex_results)
     loop.finish_policy_run(run, results, rows, policy, tokenizer, curves=["train/loss", "train/grad_norm"],
                            png="loss_curve.png", title="SFT")
-    from caper_jax.utils import summary as summary_lib
-
     summary_lib.policy_run("SFT", results, run.workdir, run.elapsed(), eval_split=config.data.eval_split,
                            export=config.export_hf)
     return results

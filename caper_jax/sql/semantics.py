@@ -21,6 +21,10 @@ from __future__ import annotations
 import re
 from typing import Literal
 
+from sqlglot.dialects.sqlite import SQLite
+from sqlglot.errors import SqlglotError
+from sqlglot.tokens import TokenType
+
 EvalSemantics = Literal["spider", "spider_official", "bird"]
 SEMANTICS: tuple[str, ...] = ("spider", "spider_official", "bird")
 
@@ -54,10 +58,6 @@ def remove_distinct(sql: str) -> str:
     """
     if "distinct" not in sql.lower():
         return sql
-    from sqlglot.dialects.sqlite import SQLite
-    from sqlglot.errors import SqlglotError
-    from sqlglot.tokens import TokenType
-
     try:
         tokens = SQLite().tokenize(sql)
     except (SqlglotError, ValueError):

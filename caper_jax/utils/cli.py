@@ -14,6 +14,7 @@ module docstring and flag list.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import sys
 from collections.abc import Collection, Sequence
 from typing import NoReturn
@@ -79,8 +80,6 @@ def _config_keys(config, prefix: str = "") -> list[str]:
 
 def _load_config_file(argv: Sequence[str]):
     """The ConfigDict named by ``--config=path[:arg]`` in argv, loaded as config_flags does."""
-    import importlib.util
-
     spec = next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
     path, _, arg = spec.partition(":")
     module_spec = importlib.util.spec_from_file_location("_caper_config", path)

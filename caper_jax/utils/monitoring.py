@@ -15,6 +15,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from caper_jax.utils.atomic import write_text_atomic
+
 log = logging.getLogger("caper_jax")
 
 
@@ -58,8 +60,6 @@ class MetricWriter:
         logged twice."""
         if not self.enabled:
             return
-        from caper_jax.utils.atomic import write_text_atomic
-
         if self.path.exists():
             lines = self.path.read_text().splitlines(keepends=True)
             kept = [line for line in lines if _step_of(line) <= step]
@@ -120,10 +120,10 @@ def _fmt_seconds(s: float) -> str:
 
 def plot_curves(rows: list[dict], keys: list[str], out_png: str | pathlib.Path, title: str = "") -> None:
     """One panel per metric key against step (rows from ``read_metrics``)."""
-    import matplotlib
+    import matplotlib  # matplotlib loads only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
 
     keys = [k for k in keys if any(k in r for r in rows)]
     if not keys:
@@ -145,10 +145,10 @@ def plot_curves(rows: list[dict], keys: list[str], out_png: str | pathlib.Path, 
 def plot_bars(groups: Mapping[str, Mapping[str, float]], out_png: str | pathlib.Path, *, title: str,
               ylabel: str) -> None:
     """Grouped bars: ``groups[series][category] = value`` (e.g. top-1 per clause per method)."""
-    import matplotlib
+    import matplotlib  # matplotlib loads only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
 
     series = list(groups)
     categories = sorted({c for s in series for c in groups[s]}, key=lambda c: (c == "all", c))

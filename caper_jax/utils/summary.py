@@ -86,7 +86,7 @@ def render(title: str, *, seconds: float | None = None, where: str | pathlib.Pat
 def _is_main() -> bool:
     if "jax" not in sys.modules:   # evaluate ex never imports JAX
         return True
-    import jax
+    import jax  # loaded already: the check above
 
     return jax.process_index() == 0
 

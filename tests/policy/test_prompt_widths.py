@@ -1,12 +1,12 @@
 """GRPO's prompt widths: a fixed ladder (``sampling.prompt_widths``) instead of every multiple of 64, and
-the count of programs a whole run compiles (``caper_jax.parallel.grpo_dry_run``)."""
+the count of programs a whole run compiles (``caper_jax.rl.dry_run``)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from caper_jax.parallel import grpo_dry_run as plan_lib
 from caper_jax.policy.prompts import check_prompt_widths, prompt_batch, prompt_width
+from caper_jax.rl import dry_run as plan_lib
 from configs.grpo import get_config
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from caper_jax.models.sampler import SampleOutput, SamplingConfig, generate
 from caper_jax.policy import rollout as R
+from caper_jax.policy.clause_ends import clause_token_ends
 from caper_jax.policy.sampling import decode_with_offsets
 from caper_jax.rl import layout_rewards
 from caper_jax.sql.clauses import split_clauses
@@ -51,7 +52,7 @@ def executors(tmp_path):
 def check_ends_cover_clauses(tok, sql: str, ids: list[int]) -> None:
     text, offsets = decode_with_offsets(tok, ids)
     assert text == sql
-    ends, ok = R.clause_token_ends(text, offsets)
+    ends, ok = clause_token_ends(text, offsets)
     units = split_clauses(sql)
     assert ok and len(ends) == len(units)
     for unit, end in zip(units, ends):
@@ -67,7 +68,7 @@ def test_clause_ends_map_back_to_clause_text(any_tok, sql):
     ids = tok(sql, add_special_tokens=False)["input_ids"]
     check_ends_cover_clauses(tok, sql, ids)
     if sql == GOLD and len(tok) < 1000:   # the hand tokenizer  # the SELECT clause ends inside the token "e F"
-        end = R.clause_token_ends(*decode_with_offsets(tok, ids))[0][0]
+        end = clause_token_ends(*decode_with_offsets(tok, ids))[0][0]
         assert tok.convert_ids_to_tokens(ids[end]) == "e F"
 
 
@@ -201,7 +202,7 @@ def test_real_tokenizer_clause_starts_inside_a_token(qwen35):
     sql = "SELECT T1.name FROM singer AS T1 WHERE T1.age > 20"
     ids = tok(sql, add_special_tokens=False)["input_ids"]
     text, offsets = decode_with_offsets(tok, ids)
-    ends, ok = R.clause_token_ends(text, offsets)
+    ends, ok = clause_token_ends(text, offsets)
     tokens = tok.convert_ids_to_tokens(ids)
     assert ok and [tokens[e] for e in ends] == [".name", "1", "0"]
     assert [tokens[e + 1] for e in ends[:-1]] == ["ĠFROM", "ĠWHERE"]
@@ -224,7 +225,7 @@ def test_real_tokenizer_multibyte_characters_sampled_byte_by_byte(qwen35):
     assert ids != tok(sql, add_special_tokens=False)["input_ids"]           # not the canonical tokens
     text, offsets = decode_with_offsets(tok, ids)
     assert text == sql
-    ends, ok = R.clause_token_ends(text, offsets)
+    ends, ok = clause_token_ends(text, offsets)
     first_after = len(tok(head, add_special_tokens=False)["input_ids"]) + len(bytes_of_word)
     assert ok and ends[0] == first_after - 1          # the 6th byte completes 京, the SELECT clause's last char
     assert tok.decode(ids[: ends[0]]).endswith("\ufffd") and tok.decode(ids[: ends[0] + 1]) == head + word

@@ -1,4 +1,4 @@
-"""The whole-GRPO-step dry run (caper_jax.parallel.grpo_dry_run) on the tiny preset, 2 simulated devices:
+"""The whole-GRPO-step dry run (caper_jax.rl.dry_run) on the tiny preset, 2 simulated devices:
 every program compiles with the real run's placement, and the accounting adds up."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _child() -> dict:
-    from caper_jax.parallel import grpo_dry_run as plan_lib
+    from caper_jax.rl import dry_run as plan_lib
     from caper_jax.parallel.mesh import make_mesh
     from configs.grpo import get_config
 
@@ -33,7 +33,7 @@ def _child() -> dict:
 def test_grpo_step_programs_and_resident_memory():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "tests.parallel.test_grpo_dry_run", "child"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.rl.test_dry_run", "child"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

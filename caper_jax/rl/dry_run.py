@@ -17,8 +17,8 @@ prompts replicated (the trainer hands the sampler host arrays), caches as the co
 them out, the scoring / update batches split over ``data × fsdp`` (``multihost.replicated_batch`` in the trainer).
 
 What is resident while a program runs: its own peak (``argument + output − alias + temp``,
-``dry_run.report``) plus the step's persistent buffers that are not its arguments — the policy's
-optimizer state (the update holds it as an argument; the sampler does not), the reference params
+``caper_jax.parallel.dry_run.report``) plus the step's persistent buffers that are not its arguments —
+the policy's optimizer state (the update holds it as an argument; the sampler does not), the reference params
 (beta > 0) and the Clause-PRM params (variant ≠ sparse), both held as the trainer holds them
 (``frozen_params``: matmul weights in the compute dtype). Rollout arrays carried between programs
 (tokens, masks, log-probs, advantages: a few MB) are left out.
@@ -38,10 +38,18 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from caper_jax.loop import dry_run_architecture
+from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.models.frozen import frozen_params
+from caper_jax.models.sampler import SamplingConfig, _decode, _prefill
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
 from caper_jax.parallel.dry_run import GiB, device_bytes, report
+from caper_jax.prm.model import ClausePRM
+from caper_jax.rl import step as rl_step
+from caper_jax.rl.rewards import reward_variant
+from caper_jax.rl.trainer import is_logging_step, prompt_iterator
+from caper_jax.utils.optim import init_state, make_optimizer
 
 PROGRAMS = ("prefill", "decode", "prm", "reference", "update")
 
@@ -53,7 +61,7 @@ class ProgramFigures:
     tokens: int                    # tokens per call (global): new positions computed
     calls: int                     # calls per GRPO step
     matmul_flops: float            # per call, global
-    memory: dict[str, int]         # per device (dry_run.report)
+    memory: dict[str, int]         # per device (parallel.dry_run.report)
     resident_bytes: int            # per device, this program's peak + persistent buffers not its arguments
     compile_s: float
 
@@ -80,14 +88,6 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print,
 
     Returns ``{"programs": {name: ProgramFigures}, "persistent": {name: bytes per device}, "config": ...}``.
     """
-    from caper_jax.loop import dry_run_architecture
-    from caper_jax.models import Qwen35ForCausalLM
-    from caper_jax.models.sampler import SamplingConfig, _decode, _prefill
-    from caper_jax.prm.model import ClausePRM
-    from caper_jax.rl import step as rl_step
-    from caper_jax.rl.rewards import reward_variant
-    from caper_jax.utils.optim import init_state, make_optimizer
-
     rules = tuple(tuple(r) for r in config.sharding_rules)
     arch = dry_run_architecture(config)
     tx = make_optimizer(config.optim, rl_step.updates_per_step(config))
@@ -179,8 +179,6 @@ def widths_over_run(lengths, config, width_of) -> list[int]:
     """The prompt width of every step of a run of ``config`` (``optim.total_steps`` steps of
     ``rl.prompts_per_step`` prompts drawn as the trainer draws them) whose prompts have ``lengths``
     tokens: ``width_of(longest prompt of the step, cut to max_prompt_len)``."""
-    from caper_jax.rl.trainer import prompt_iterator
-
     cap = config.sampling.max_prompt_len
     draws = prompt_iterator(len(lengths), config.rl.prompts_per_step, config.seed)
     return [width_of(min(cap, max(int(lengths[i]) for i in next(draws)))) for _ in range(config.optim.total_steps)]
@@ -197,9 +195,6 @@ def programs_compiled(widths: list[int], config, *, entropy_every_step: bool = F
     prefill and decode, the PRM and the reference once per width; the update once per width and
     entropy variant (logging steps compute the entropy, the others do not; ``entropy_every_step``: every
     update computed it, as before ``is_logging_step``)."""
-    from caper_jax.rl.rewards import reward_variant
-    from caper_jax.rl.trainer import is_logging_step
-
     per_width = len(set(widths))
     variants = {(w, True if entropy_every_step else is_logging_step(config, step))
                 for step, w in enumerate(widths, start=1)}
