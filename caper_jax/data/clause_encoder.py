@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from caper_jax.data.prm_records import PipelineError, Records
+from caper_jax.sql.clauses import SqlParseError, split_clauses
 from caper_jax.sql.contract import END_OF_SQL, prm_prompt
 
 PromptFn = Callable[[str, str], str]
@@ -127,7 +128,6 @@ def scored_text(sql: str) -> tuple[str, list]:
     of the query is part of the last clause's state, as in the tuples (``caper_jax.sql.tuples``).
     SQL that does not split into clauses comes back stripped, with no units.
     """
-    from caper_jax.sql.clauses import SqlParseError, split_clauses
 
     try:
         units = split_clauses(sql)

@@ -18,6 +18,9 @@ import numpy as np
 from flax import nnx
 
 from caper_jax.prm.localization import clause_mean_logprobs
+from caper_jax.data.clause_encoder import resolve_pad_id
+from caper_jax.policy.logprobs import sequence_logprobs
+from caper_jax.sql.contract import policy_prompt
 from caper_jax.sql.clauses import SqlParseError, split_clauses
 
 LENGTH_MULTIPLE = 64   # sequence lengths are rounded up to this: few compiled shapes
@@ -28,9 +31,6 @@ def clause_logprobs(policy, rows: Sequence[Mapping[str, Any]], *, max_len: int =
     """Per row (``question``, ``schema``, optional ``evidence``, ``sql``), the policy's mean token
     log-prob of each clause of ``split_clauses(sql)``; None for SQL that does not parse, or whose
     SQL + stop token alone exceeds ``max_len``. The prompt is left-truncated as in SFT."""
-    from caper_jax.data.clause_encoder import resolve_pad_id
-    from caper_jax.policy.logprobs import sequence_logprobs
-    from caper_jax.sql.contract import policy_prompt
 
     tokenizer = policy.tokenizer
     items: list[tuple[int, np.ndarray, int, list[int], list[int]]] = []  # row, ids, n_prompt, starts, clauses

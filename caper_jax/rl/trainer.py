@@ -30,6 +30,7 @@ from flax import nnx
 
 from caper_jax import loop, runs
 from caper_jax.data.clause_encoder import resolve_pad_id
+from caper_jax.data.data_world import prepare_world
 from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.models.frozen import frozen_params
 from caper_jax.models.sampler import SamplingConfig, generate
@@ -193,7 +194,6 @@ def reward_config(config) -> rollout_lib.RewardConfig:
 
 
 def run(config, workdir: str) -> dict:
-    from caper_jax.data.data_world import prepare_world
 
     check_runs(config)   # before the workdir and the world are made
     run = loop.TrainingRun.start(config, workdir)

@@ -30,6 +30,7 @@ import numpy as np
 
 from caper_jax.data.bucket_plan import bucket_index, default_bucket_lengths, epoch_plan
 from caper_jax.data.clause_encoder import resolve_pad_id
+from caper_jax.data.spider import db_path, load_schemas, load_split
 from caper_jax.policy.prompts import stop_token_id
 from caper_jax.sql.contract import policy_prompt, serialize_schema
 
@@ -64,7 +65,6 @@ def examples_from_split(data_dir, split: str, *, schema_values: int = 0,
     ``schema_values`` > 0 lists that many frequent values per text column, read from each database;
     ``values_for(db_id)`` False leaves them out for that database (evaluation: its file is missing).
     """
-    from caper_jax.data.spider import db_path, load_schemas, load_split
 
     schemas = load_schemas(data_dir, split)
     serialised: dict[str, str] = {}
