@@ -293,17 +293,22 @@ def test_a_missing_distinct_is_judged_on_the_predictions_own_rows(db):
 
 
 def test_a_runaway_prediction_is_localised_in_bounded_time(spider):
+    """The unbounded recursive CTE is harmless alone (gold's later clauses never read it); the FROM that
+    joins it is the earliest decisive error. Bounded: the localiser's CPU time (SQLite runs in this
+    thread and is interrupted after ``timeout_s`` of wall time, so a loaded machine does not inflate it)
+    stays far below what running the runaway once per hybrid without the interrupt would take."""
     import time
     path = spider / "database" / "concert_singer" / "concert_singer.sqlite"
     gold = "SELECT name FROM singer WHERE age > 30"
     pred = ("WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM r) "
             "SELECT name FROM singer AS T1 JOIN r ON T1.age > r.x WHERE T1.age > 40")
     with Executor(path, timeout_s=0.3) as executor:
-        start = time.monotonic()
+        start = time.process_time()
         result = localize(gold, pred, executor, Schema.from_sqlite(path))
-        elapsed = time.monotonic() - start
+        cpu = time.process_time() - start
     assert not result.correct and result.pred_error_kind in ("timeout", "too_many_rows")
-    assert result.root_clause in ("WITH", "FROM") and elapsed < 5.0, (result, elapsed)
+    assert result.root_clause == "FROM", result
+    assert cpu < 5.0, cpu
 
 
 def test_a_query_sqlglot_cannot_scope_is_localised_by_its_text(db):
