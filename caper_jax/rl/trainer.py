@@ -108,7 +108,7 @@ def reference_params(params, dtype: str, *, tied: bool):
 
 
 def is_logging_step(config, step: int) -> bool:
-    """The steps whose metrics ``loop.Run.train`` logs (and the GRPO row reads): every ``log_every``-th and
+    """The steps whose metrics ``loop.TrainingRun.train`` logs (and the GRPO row reads): every ``log_every``-th and
     the last. Only their updates compute the policy's entropy."""
     return step % config.log_every == 0 or step == config.optim.total_steps
 
