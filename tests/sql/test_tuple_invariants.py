@@ -294,6 +294,12 @@ def test_set_logic_written_in_one_query_is_blamed_where_the_prediction_writes_it
     assert localize(gold, other, executor, schema).root_clause == "WHERE"
 
 
+def _localise_failure(gold, pred, executor, schema):
+    """``localize`` of a prediction that SQLite shows fails against gold (else the case tests nothing)."""
+    assert not results_equal(executor.execute(gold), executor.execute(pred), ordered=False)
+    return localize(gold, pred, executor, schema)
+
+
 def test_a_filter_written_as_an_operator_is_blamed_on_the_operator(db):
     executor, schema = db
     # Gold's NOT IN written as EXCEPT, the first operand without a WHERE of its own: the operator
@@ -301,8 +307,7 @@ def test_a_filter_written_as_an_operator_is_blamed_on_the_operator(db):
     gold = "SELECT country FROM singer WHERE singer_id NOT IN (SELECT singer_id FROM singer_in_concert WHERE concert_id = 1)"
     pred = ("SELECT country FROM singer EXCEPT SELECT T1.country FROM singer AS T1 JOIN singer_in_concert AS T2 "
             "ON T1.singer_id = T2.singer_id WHERE T2.concert_id = 1")
-    assert not results_equal(executor.execute(gold), executor.execute(pred), ordered=False)
-    loc = localize(gold, pred, executor, schema)
+    loc = _localise_failure(gold, pred, executor, schema)
     assert (loc.root_clause, loc.reason) == ("EXCEPT", "verified:filter_as_compound")
 
 
@@ -314,8 +319,7 @@ def test_a_wrong_join_key_completed_by_a_where_condition_is_blamed_in_from(db):
     gold = "SELECT T2.name FROM stadium AS T1 JOIN singer AS T2 ON T1.stadium_id = T2.singer_id"
     pred = ("SELECT T2.name FROM stadium AS T1 JOIN singer AS T2 ON T1.stadium_id = T2.age "
             "WHERE T1.stadium_id = T2.singer_id")
-    assert not results_equal(executor.execute(gold), executor.execute(pred), ordered=False)
-    loc = localize(gold, pred, executor, schema)
+    loc = _localise_failure(gold, pred, executor, schema)
     assert (loc.root_clause, loc.root_node) == ("FROM", "singer.age = singer.singer_id")
     # The same wrong condition written alone in WHERE is the WHERE's.
     assert localize(gold, "SELECT T2.name FROM stadium AS T1, singer AS T2 WHERE T1.stadium_id = T2.age",
