@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -106,27 +107,33 @@ def _convert(value: Any, kind, path: str) -> Any:
 
 def from_config(cls: type, config: Any, *, path: str = "") -> Any:
     """``cls`` (a dataclass of sections) built from ``config``, every key a field, every field set."""
-    if hasattr(config, "to_dict"):   # ConfigDict: plain dicts and tuples, field references resolved
-        config = config.to_dict()
-    if not isinstance(config, Mapping):
-        raise SettingsError(f"{path or 'config'}: expected a mapping, got {type(config).__name__}")
+    # ConfigDict: plain dicts and tuples, field references resolved. The one place a config's keys are probed.
+    given = config.to_dict() if hasattr(config, "to_dict") else config
+    if not isinstance(given, Mapping):
+        raise SettingsError(f"{path or 'config'}: expected a mapping, got {type(given).__name__}")
     prefix = f"{path}." if path else ""
     hints = typing.get_type_hints(cls)
     fields = [f.name for f in dataclasses.fields(cls) if f.init]
-    for key in config:
+    for key in given:
         if key not in fields:
             raise SettingsError(f"unknown setting {prefix}{key}" + did_you_mean(str(key), fields, prefix))
-    missing = [f"{prefix}{name}" for name in fields if name not in config]
+    missing = [f"{prefix}{name}" for name in fields if name not in given]
     if missing:
         raise SettingsError(f"missing setting{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
     try:
-        return cls(**{name: _convert(config[name], hints[name], f"{prefix}{name}") for name in fields})
+        return cls(**{name: _convert(given[name], hints[name], f"{prefix}{name}") for name in fields})
     except SettingsError:   # names its dotted path already
         raise
     except (ValueError, KeyError) as error:
         if path and issubclass(cls, Settings):   # a stage's rule (an experiment's sft, prm, ...): named by the stage
-            raise type(error)(f"{path}: {error.args[0] if error.args else error}") from error
+            raise type(error)(_in_stage(path, str(error.args[0]) if error.args else str(error), fields)) from error
         raise
+
+
+def _in_stage(stage: str, message: str, fields: list[str]) -> str:
+    """``grpo.rl.group_size=0 must ...`` for a message that starts with a field's path; else ``grpo: ...``."""
+    first = re.match(r"[A-Za-z_]\w*", message)
+    return f"{stage}.{message}" if first and first.group() in fields else f"{stage}: {message}"
 
 
 def _plain(value: Any) -> Any:
