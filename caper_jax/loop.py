@@ -8,9 +8,9 @@ the train metrics, learning rate, steps/s and ETA), evaluates every ``eval_every
 ``NonFiniteLossError`` after too many refused updates and checkpoints (always at the last step). A
 trainer keeps only what is its own: the model, the step, evaluation and its report.
 
-Also here, once for the three: the dry run of a train step on abstract shapes (``dry_run``), the sharded train state (``create_state``), the jitted
-state-donating step cached per process (``jit_state_step``) and the end of a policy run
-(``finish_policy_run``, SFT and GRPO).
+Also here, once for the three: the dry run of a train step on abstract shapes (``dry_run``), the sharded
+train state (``create_state``), the jitted state-donating step cached per process (``jit_state_step``) and
+the end of a policy run (``finish_policy_run``, SFT and GRPO).
 """
 from __future__ import annotations
 

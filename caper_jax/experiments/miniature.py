@@ -144,7 +144,8 @@ def build_world(settings: ReproduceSettings, out: pathlib.Path) -> None:
     """The demo world under ``out/world`` (``prepare_world`` reuses a complete one); data.dir is used in place."""
     if settings.data.kind == "spider":
         return
-    prepare_world(replace(settings.sft, {"seed": settings.seed, "data.kind": "demo", "data.dir": str(out / "world")}), out)
+    demo = {"seed": settings.seed, "data.kind": "demo", "data.dir": str(out / "world")}
+    prepare_world(replace(settings.sft, demo), out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,8 +207,8 @@ def eval_examples(settings: ReproduceSettings, data_dir: pathlib.Path, eval_dir:
     return examples
 
 
-def rerank_saved_samples(settings: ReproduceSettings, data_dir: pathlib.Path, eval_dir: pathlib.Path, prm_dir: pathlib.Path
-                         ) -> dict:
+def rerank_saved_samples(settings: ReproduceSettings, data_dir: pathlib.Path, eval_dir: pathlib.Path,
+                         prm_dir: pathlib.Path) -> dict:
     """Adds PRM best-of-k to an evaluation whose samples were drawn before the PRM existed."""
     results = json.loads((eval_dir / "results.json").read_text())
     rows = [json.loads(line) for line in (eval_dir / "predictions.jsonl").read_text().splitlines()]

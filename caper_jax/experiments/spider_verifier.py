@@ -203,7 +203,8 @@ def system_candidates(settings: SpiderVerifierSettings, view: pathlib.Path) -> l
              "candidates": [preds[r["source_index"]] for preds in per_system]} for i, r in enumerate(dev)]
 
 
-def verify_systems(settings: SpiderVerifierSettings, view: pathlib.Path, candidates: list[dict], out: pathlib.Path) -> dict:
+def verify_systems(settings: SpiderVerifierSettings, view: pathlib.Path, candidates: list[dict],
+                   out: pathlib.Path) -> dict:
     """EX of each system alone (``evaluate ex``) and of the pool: first, MV@n, every PRM reranker, oracle@n."""
     pool = out / "systems_candidates.jsonl"
     write_jsonl(pool, [{"index": c["index"], "candidates": c["candidates"]} for c in candidates])

@@ -214,7 +214,8 @@ def run(settings: GrpoSettings, workdir: str) -> dict:
     def step(state, step):
         t_start = time.perf_counter()
         indices = np.repeat(np.asarray(next(data_iter)), group)  # consecutive rows = one group
-        prompt_ids, prompt_mask = prompt_batch([prompts[i] for i in indices], tokenizer, settings.sampling.max_prompt_len,
+        prompt_ids, prompt_mask = prompt_batch([prompts[i] for i in indices], tokenizer,
+                                               settings.sampling.max_prompt_len,
                                                pad_id=pad_id, widths=widths)
         output = generate(nnx.merge(graphdef, state.params), jnp.asarray(prompt_ids), jnp.asarray(prompt_mask),
                           jax.random.fold_in(base_key, step), sampling)
