@@ -36,9 +36,8 @@ from caper_jax.eval import verifier
 from caper_jax.eval.ex import evaluate_ex
 from caper_jax.experiments import report
 from caper_jax.experiments.rerankers import pick_stage, prm_scorer
-from caper_jax.experiments.samples import (add_policy_confidence, build_prm_data,
-                                           confidence_stage, held_back_questions, samples_stage,
-                                           train_samples_path, write_jsonl)
+from caper_jax.experiments.samples import (add_policy_confidence, build_prm_data, confidence_stage,
+                                           held_back_questions, samples_stage, train_samples_path, write_jsonl)
 from caper_jax.experiments.settings import SpiderVerifierSettings
 from caper_jax.experiments.stages import Stage, StageClock, completion, run_experiment, with_report
 from caper_jax.parallel import multihost

@@ -26,13 +26,13 @@ from caper_jax.policy.build import build_policy
 from caper_jax.policy.logprobs import lm_head, token_logprobs
 from caper_jax.policy.prompts import stop_token_id
 from caper_jax.policy.rollout import held_out_ex
+from caper_jax.sections import OptimSettings, check_devices, check_world
+from caper_jax.settings import from_config
+from caper_jax.sft import data as data_lib
+from caper_jax.sft.settings import SftSettings
 from caper_jax.sql.execution import Executors
 from caper_jax.utils import summary as summary_lib
 from caper_jax.utils.optim import TrainState, guarded_update, make_optimizer
-from caper_jax.sft import data as data_lib
-from caper_jax.sft.settings import SftSettings
-from caper_jax.sections import OptimSettings, check_devices, check_world
-from caper_jax.settings import from_config
 
 log = logging.getLogger("caper_jax")
 
