@@ -76,6 +76,8 @@ LOAD = start_load_check(own=1)  # compiling keeps about one core busy; the figur
 from caper_jax.parallel.dry_run import GiB  # noqa: E402
 from caper_jax.parallel.mesh import make_mesh  # noqa: E402
 from caper_jax.rl import dry_run as plan_lib  # noqa: E402
+from caper_jax.rl.settings import GrpoSettings  # noqa: E402
+from caper_jax.settings import from_config  # noqa: E402
 from configs.grpo import get_config  # noqa: E402
 
 
@@ -97,7 +99,7 @@ def config_for(prompts: int, devices: int):
         config.rl.num_minibatches = max(1, rows // (ARGS.minibatch_rows_per_device * devices))
     if ARGS.variant != "sparse":
         config.prm.workdir = "(dry run)"
-    return config
+    return from_config(GrpoSettings, config)
 
 
 def plain(result: dict) -> dict:
@@ -195,6 +197,7 @@ def count_programs() -> None:
         config.log_every = ARGS.log_every
     if ARGS.prompt_widths:
         config.sampling.prompt_widths = tuple(ARGS.prompt_widths)
+    config = from_config(GrpoSettings, config)
     from caper_jax.policy.prompts import check_prompt_widths, prompt_width
 
     ladder = check_prompt_widths(config.sampling.prompt_widths, config.sampling.max_prompt_len)

@@ -46,9 +46,10 @@ import sys
 from collections.abc import Callable, Iterator
 
 from absl import app, flags
-from ml_collections import ConfigDict, config_flags
+from ml_collections import config_flags
 
 from caper_jax.demo.world import build_demo_world
+from caper_jax.settings import Settings, from_config
 from caper_jax.sql.execution import Executor
 from caper_jax.sql.localize import GoldError, localize
 from caper_jax.utils import atomic, cli
@@ -59,6 +60,8 @@ from caper_jax.sql.contract import serialize_schema
 from caper_jax.sql.tuples import AnnotationSettings, Context, annotate_prediction, mutation_rewards, tables_entry
 
 COMMANDS = ("localize", "inject", "tuples", "build")
+
+frozen = dataclasses.dataclass(frozen=True, kw_only=True)
 
 FLAGS = flags.FLAGS
 
@@ -85,15 +88,50 @@ class InputError(ValueError):
     """One input line cannot be processed; the run reports it and goes on."""
 
 
-def settings_from_config(config: ConfigDict | None) -> AnnotationSettings:
-    """AnnotationSettings from a configs/annotate.py config (defaults when None)."""
-    if config is None:
-        return AnnotationSettings()
-    names = {f.name for f in dataclasses.fields(AnnotationSettings)}
-    values = {k: config[k] for k in names if k in config}
-    if values.get("max_attempts") == 0:
-        values["max_attempts"] = None
-    return AnnotationSettings(**values)
+@frozen
+class BuildData:
+    manual_dir: str                  # Spider/BIRD layout; demo: built here when empty
+    splits: tuple[str, ...]
+    limit: int                       # per split: N questions + N prediction lines (0 = all)
+    predictions: bool                # also read predictions_<split>.jsonl if present
+    demo_seed: int
+    database_dir: str                # "" = the layout's database folders; else a folder under manual_dir
+
+    def __post_init__(self):
+        if self.limit < 0:
+            raise ValueError(f"data.limit={self.limit!r}: must be an integer >= 0 (per split, at most N questions "
+                             "and N prediction lines; 0 = all)")
+
+
+@frozen
+class AnnotateSettings(Settings):
+    """configs/annotate.py: the build's source and output, and every field of ``AnnotationSettings``."""
+    name: str                        # TFDS config name prefix: demo | spider | bird
+    data_dir: str                    # TFDS data_dir; empty: ~/tensorflow_datasets
+    data: BuildData
+    alpha: float
+    sigma: float
+    margin_floor: float
+    reference_edges: bool
+    within_trajectory: bool
+    per_query: int
+    compound: int
+    site_balance: str
+    max_attempts: int                # mutants executed per gold; 0: 8 * per_query
+    semantics: str
+    suspect_tuples: bool
+    max_vm_steps: int
+    timeout_s: float
+    max_rows: int
+    seed: int
+
+    def __post_init__(self):
+        self.annotation   # alpha, sigma, floor, per_query, compound, site_balance, semantics
+
+    @property
+    def annotation(self) -> AnnotationSettings:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(AnnotationSettings)}
+        return AnnotationSettings(**{**values, "max_attempts": self.max_attempts or None})
 
 
 def read_lines(path: str | pathlib.Path,
@@ -212,7 +250,7 @@ def run_tuples(db: str, input_path: str, output_path: str, settings: AnnotationS
     return {**counts, "dropped": sum(dropped.values())}
 
 
-def run_build(config: ConfigDict, beam_options: str | None = None) -> dict[str, dict]:
+def run_build(build: AnnotateSettings, beam_options: str | None = None) -> dict[str, dict]:
     """Builds the TFDS dataset; returns the summary per split.
 
     ``beam_options`` (a string of Beam pipeline flags) runs the annotation on Apache Beam.
@@ -220,19 +258,19 @@ def run_build(config: ConfigDict, beam_options: str | None = None) -> dict[str, 
     from caper_jax.data import tfds_caper      # tensorflow_datasets only for this command
     import tensorflow_datasets as tfds  # TFDS only for this command
 
-    settings = settings_from_config(config)
-    check_build(config, beam=beam_options is not None)
-    manual_dir = config.data.manual_dir
-    if config.name == "demo" and not manual_dir:
-        manual_dir = str(pathlib.Path(config.data_dir or tfds.core.constants.DATA_DIR).expanduser()
+    settings = build.annotation
+    check_build(build, beam=beam_options is not None)
+    manual_dir = build.data.manual_dir
+    if build.name == "demo" and not manual_dir:
+        manual_dir = str(pathlib.Path(build.data_dir or tfds.core.constants.DATA_DIR).expanduser()
                          / "caper_demo_world")
-    if config.name == "demo":   # reuses a finished build with the same settings
-        build_demo_world(manual_dir, seed=config.data.demo_seed)
+    if build.name == "demo":   # reuses a finished build with the same settings
+        build_demo_world(manual_dir, seed=build.data.demo_seed)
     if not manual_dir:
-        cli.usage_error("set --config.data.manual_dir to a Spider/BIRD layout directory")
-    splits = tuple(config.data.splits)
-    options = dict(splits=splits, limit=config.data.limit, predictions=config.data.predictions,
-                   database_dir=config.data.database_dir)
+        cli.usage_error("set --build.data.manual_dir to a Spider/BIRD layout directory")
+    splits = build.data.splits
+    options = dict(splits=splits, limit=build.data.limit, predictions=build.data.predictions,
+                   database_dir=build.data.database_dir)
     download_config = tfds.download.DownloadConfig(manual_dir=manual_dir)
     if beam_options is not None:
         from apache_beam.options.pipeline_options import PipelineOptions  # apache_beam: --beam_options only
@@ -240,9 +278,9 @@ def run_build(config: ConfigDict, beam_options: str | None = None) -> dict[str, 
         download_config = tfds.download.DownloadConfig(
             manual_dir=manual_dir, beam_options=PipelineOptions(flags=beam_options.split()))
     builder = tfds_caper.CaperTuples(
-        data_dir=config.data_dir or None, use_beam=beam_options is not None,
+        data_dir=build.data_dir or None, use_beam=beam_options is not None,
         config=tfds_caper.CaperConfig(
-            name=config_name(config.name, settings, {**options, "source": str(pathlib.Path(manual_dir).resolve())}),
+            name=config_name(build.name, settings, {**options, "source": str(pathlib.Path(manual_dir).resolve())}),
             settings=settings, **options))
     builder.download_and_prepare(download_config=download_config)
     summary = {}
@@ -264,16 +302,12 @@ def run_build(config: ConfigDict, beam_options: str | None = None) -> dict[str, 
     return summary
 
 
-def check_build(config: ConfigDict, *, beam: bool) -> None:
-    """What ``build`` can refuse before any work: raises ValueError with one line."""
-    limit = config.data.limit
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-        raise ValueError(f"data.limit={limit!r}: must be an integer >= 0 (per split, at most N questions and "
-                         "N prediction lines; 0 = all)")
-    if config.data.manual_dir and not pathlib.Path(config.data.manual_dir).is_dir():
-        raise ValueError(f"data.manual_dir={config.data.manual_dir!r} is not a directory")
-    if config.data_dir:
-        atomic.check_output_dir(config.data_dir, flag="data_dir")
+def check_build(build: AnnotateSettings, *, beam: bool) -> None:
+    """What ``build`` can refuse before any work, beyond the settings' own values: raises ValueError, one line."""
+    if build.data.manual_dir and not pathlib.Path(build.data.manual_dir).is_dir():
+        raise ValueError(f"data.manual_dir={build.data.manual_dir!r} is not a directory")
+    if build.data_dir:
+        atomic.check_output_dir(build.data_dir, flag="data_dir")
     if beam:
         try:
             import apache_beam  # noqa: F401
@@ -307,11 +341,12 @@ def main(argv: list[str]) -> None:
         if not getattr(FLAGS, name):
             cli.usage_error(f"{command} needs --{name}")
     try:    # everything that can be refused, before any work: one line, no traceback
-        settings = settings_from_config(FLAGS.config)
+        build = None if FLAGS.config is None else from_config(AnnotateSettings, FLAGS.config)
+        settings = AnnotationSettings() if build is None else build.annotation
         if command == "inject" and FLAGS.per_query is not None:
             settings = dataclasses.replace(settings, per_query=FLAGS.per_query)   # checked here, not mid-run
         if command == "build":
-            check_build(FLAGS.config, beam=FLAGS.beam)
+            check_build(build, beam=FLAGS.beam)
         else:
             check_files(FLAGS.db, FLAGS.input, FLAGS.output)
     except ValueError as error:
@@ -319,7 +354,7 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     try:
         if command == "build":
-            run_build(FLAGS.config, beam_options=FLAGS.beam_options if FLAGS.beam else None)
+            run_build(build, beam_options=FLAGS.beam_options if FLAGS.beam else None)
         elif command == "localize":
             run_localize(FLAGS.db, FLAGS.input, FLAGS.output, settings)
         elif command == "tuples":

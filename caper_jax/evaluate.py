@@ -11,8 +11,8 @@
         Policy evaluation (caper_jax/eval/policy.py; docs/evaluation.md): greedy EX, MV@k and
         Clause-PRM best-of-k (min / mean / last) of an SFT/GRPO checkpoint or HF directory;
         writes results.json, results.md and predictions.jsonl to OUT and prints the metrics as the
-        last stdout line. Config values are checked before anything is loaded
-        (caper_jax/eval/validate.py).
+        last stdout line. The config is built into typed settings and checked before anything is
+        loaded (caper_jax/eval/settings.py, caper_jax/eval/validate.py).
 
 A flag that is unknown, mistyped, of the wrong type, or not read by the command given is one error
 line and exit status 2, before any work.
@@ -88,7 +88,7 @@ def run_ex(flag_values: flags.FlagValues) -> int:
 
 
 def run_policy(flag_values: flags.FlagValues) -> int:
-    from caper_jax.eval.validate import validate_eval_config  # JAX: `evaluate policy` only; `ex` loads none
+    from caper_jax.eval.validate import validate  # JAX: `evaluate policy` only; `ex` loads none
 
     config = flag_values.config
     if (problem := cli.config_load_error(config)) is not None:
@@ -97,7 +97,7 @@ def run_policy(flag_values: flags.FlagValues) -> int:
     try:
         if not flag_values.workdir:
             raise ValueError("--workdir is required (results.json, results.md and predictions.jsonl go there)")
-        validate_eval_config(config)
+        settings = validate(config)
     except (AttributeError, KeyError, ValueError, TypeError) as error:
         print(f"error: invalid eval config: {error}", file=sys.stderr)
         return 2
@@ -105,7 +105,7 @@ def run_policy(flag_values: flags.FlagValues) -> int:
 
     started = time.perf_counter()
     try:
-        results = policy.run(config, flag_values.workdir)
+        results = policy.run(settings, flag_values.workdir)
     except (DataError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -1,22 +1,21 @@
 """The run loop the three trainers share (Clause-PRM, SFT, GRPO): everything around their step.
 
-Learnt from levanter's Trainer with hooks. ``TrainingRun`` holds what every run has: the workdir, the main
+Learnt from levanter's Trainer with hooks. ``TrainingRun`` holds what every run has: its settings (the
+trainer's frozen dataclass, ``caper_jax.settings``), the workdir, the main
 process flag, the mesh and sharding rules, the metric writer, the checkpointer with resume (state and
 data iterator), the wall-clock start. ``TrainingRun.train`` steps, logs every ``log_every`` steps (means of
 the train metrics, learning rate, steps/s and ETA), evaluates every ``eval_every`` steps, stops with
 ``NonFiniteLossError`` after too many refused updates and checkpoints (always at the last step). A
 trainer keeps only what is its own: the model, the step, evaluation and its report.
 
-Also here, once for the three: the config checks they share (``check_config``), the dry run of a
-train step on abstract shapes (``dry_run``), the sharded train state (``create_state``), the jitted
-state-donating step cached per process (``jit_state_step``) and the end of a policy run
-(``finish_policy_run``, SFT and GRPO).
+Also here, once for the three: the dry run of a train step on abstract shapes (``dry_run``), the sharded
+train state (``create_state``), the jitted state-donating step cached per process (``jit_state_step``) and
+the end of a policy run (``finish_policy_run``, SFT and GRPO).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pathlib
 import signal
 import threading
@@ -28,48 +27,23 @@ import numpy as np
 from flax import nnx
 
 from caper_jax import checkpoint as ckpt_lib
-from caper_jax.data import data_world
-from caper_jax.models.config import REMAT_POLICIES
 from caper_jax.models.presets import PRESETS, model_preset
 from caper_jax.parallel import dry_run as dry_run_lib
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
+from caper_jax.sections import TrainerSettings
+from caper_jax.settings import as_dict
 from caper_jax.utils.errors import NonFiniteLossError, Preempted
 from caper_jax.utils.monitoring import MetricWriter, Progress, plot_curves, read_metrics
 from caper_jax.utils.optim import TrainState, init_state, learning_rate, make_optimizer
 
-# -- config
+# -- settings
 
 
-def check_config(config, *, positive: tuple[str, ...]) -> None:
-    """The checks every trainer's config shares, one rule each; ``positive`` names the top-level
-    integers that must be >= 1 (log_every, ckpt_every, ...)."""
-    data_world.check_data_config(config)   # data.kind; Spider data needs its folder and a tokenizer
-    # An HF directory brings its own architecture; the preset then only names the dry run's shapes
-    # (check_dry_run refuses an unknown one there).
-    if config.model.preset not in PRESETS and not config.model.hf_dir:
-        raise ValueError(f"model.preset={config.model.preset!r}; expected one of {PRESETS} or model.hf_dir")
-    if config.model.remat not in REMAT_POLICIES:
-        raise ValueError(f"model.remat={config.model.remat!r}; expected one of {REMAT_POLICIES}")
-    if "bucket_lengths" in config.data:   # PRM and SFT batches (GRPO pads prompts to sampling.prompt_widths)
-        buckets = tuple(config.data.bucket_lengths)
-        if list(buckets) != sorted(set(buckets)) or buckets[-1] > config.data.max_len:
-            raise ValueError(f"data.bucket_lengths={buckets} must be increasing and <= data.max_len")
-    if config.optim.total_steps < 1 or config.optim.lr <= 0:
-        raise ValueError("optim.total_steps must be >= 1 and optim.lr > 0")
-    if not math.isfinite(config.optim.lr):   # NaN passes "lr <= 0"; the first update would make every weight NaN
-        raise ValueError(f"optim.lr={config.optim.lr} must be a finite number > 0")
-    for key in positive:
-        if config[key] < 1:
-            raise ValueError(f"{key} must be >= 1, got {config[key]}")
-    mesh_lib.resolve_mesh_shape(tuple(config.mesh_shape.values()), jax.device_count())
-    rules_lib.rules_dict(config.sharding_rules)
-
-
-def mesh_and_rules(config) -> tuple[Any, tuple]:
-    """The device mesh of ``config.mesh_shape`` and the logical-axis rules as tuples."""
-    return mesh_lib.make_mesh(config.mesh_shape.to_dict()), tuple(tuple(r) for r in config.sharding_rules)
+def mesh_and_rules(settings) -> tuple[Any, tuple]:
+    """The device mesh of ``settings.mesh_shape`` and the logical-axis rules."""
+    return mesh_lib.make_mesh(dict(settings.mesh_shape)), settings.sharding_rules
 
 
 # -- state and jitted steps
@@ -85,11 +59,6 @@ def create_state(model: nnx.Module, tx, mesh, rules) -> tuple[Any, TrainState, A
 
 
 _PROGRAMS: dict[tuple, Callable] = {}
-
-
-def frozen(cfg) -> tuple:
-    """A hashable snapshot of a (nested) ConfigDict."""
-    return tuple(sorted((k, frozen(v) if hasattr(v, "items") else v) for k, v in cfg.items()))
 
 
 def jit_state_step(step: Callable, key: tuple | None, state_sharding=None) -> Callable:
@@ -157,7 +126,7 @@ class TrainingRun:
     """One trainer run in ``workdir``: start with ``TrainingRun.start``, then ``use_mesh``, ``resume``,
     ``train`` and ``finish``."""
 
-    config: Any
+    settings: Any                      # the trainer's settings (caper_jax.sections.TrainerSettings)
     workdir: pathlib.Path
     main: bool
     writer: MetricWriter
@@ -169,38 +138,38 @@ class TrainingRun:
     run_record: dict | None = None     # caper_jax.runs.record, saved with every checkpoint
 
     @classmethod
-    def start(cls, config, workdir: str | pathlib.Path) -> TrainingRun:
+    def start(cls, settings, workdir: str | pathlib.Path) -> TrainingRun:
         started = time.perf_counter()
         multihost.initialize()
         workdir = pathlib.Path(workdir)
         main = multihost.is_main_process()
         if main:
             workdir.mkdir(parents=True, exist_ok=True)
-        return cls(config, workdir, main, MetricWriter(workdir, enabled=main), started)
+        return cls(settings, workdir, main, MetricWriter(workdir, enabled=main), started)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
     def use_mesh(self) -> tuple[Any, tuple]:
         """Makes the run's mesh and rules (after the data: building a world needs no devices)."""
-        self.mesh, self.rules = mesh_and_rules(self.config)
+        self.mesh, self.rules = mesh_and_rules(self.settings)
         return self.mesh, self.rules
 
     def resume(self, state: TrainState, data_iterator, *, run_record: dict) -> TrainState:
         """The newest whole checkpoint's state, the iterator set to its position; else ``state``.
         ``run_record`` (``caper_jax.runs.record``: architecture, tokenizer) is saved with every checkpoint."""
-        config = self.config
+        settings = self.settings
         self.data_iterator = data_iterator
         self.run_record = run_record
-        self.checkpointer = ckpt_lib.Checkpointer(self.workdir / "checkpoints", max_to_keep=config.ckpt_keep,
-                                                  save_interval_steps=config.ckpt_every)
+        self.checkpointer = ckpt_lib.Checkpointer(self.workdir / "checkpoints", max_to_keep=settings.ckpt_keep,
+                                                  save_interval_steps=settings.ckpt_every)
         restored = self.checkpointer.restore_latest(ckpt_lib.abstract_state(state), data_iterator=data_iterator)
         if restored is None:
             return state
-        if restored.step > config.optim.total_steps:   # else the run "finishes" at once, reporting the later step
+        if restored.step > settings.optim.total_steps:   # else the run "finishes" at once, reporting the later step
             raise ckpt_lib.CheckpointError(
                 f"{self.workdir / 'checkpoints'} holds step {restored.step}, past optim.total_steps="
-                f"{config.optim.total_steps}: give a new --workdir, or total_steps >= {restored.step} to go on")
+                f"{settings.optim.total_steps}: give a new --workdir, or total_steps >= {restored.step} to go on")
         multihost.log_main("resumed from step %d", restored.step)
         self.writer.rewind(restored.step)
         return restored.state
@@ -217,10 +186,10 @@ class TrainingRun:
         ``log_line(row)`` follows the progress on the log line. ``evaluate(state)``'s metrics are
         written every ``eval_every`` steps but the last (the trainer's own final evaluation follows).
         """
-        config = self.config
+        settings = self.settings
         if evaluate is not None and eval_every < 1:
             raise ValueError(f"eval_every={eval_every} must be >= 1 when an evaluate hook is given")
-        total = config.optim.total_steps
+        total = settings.optim.total_steps
         progress = Progress(total, int(state.step))
         window, window_start = [], time.perf_counter()
         try:
@@ -228,13 +197,13 @@ class TrainingRun:
                 for step in range(int(state.step) + 1, total + 1):
                     state, metrics = step_fn(state, step)
                     window.append(metrics)
-                    if step % config.log_every == 0 or step == total:
+                    if step % settings.log_every == 0 or step == total:
                         fetched = jax.device_get(window)
                         seconds, window_start = time.perf_counter() - window_start, time.perf_counter()
                         window = []
                         summary = summarize(fetched, seconds) if summarize else train_means(fetched)
                         # the rate this step's updates applied (optim.learning_rate_per_update)
-                        summary["train/lr"] = float(learning_rate(config.optim)(step - 1))
+                        summary["train/lr"] = float(learning_rate(settings.optim)(step - 1))
                         line = progress.update(step)
                         summary[steps_per_s_key] = progress.steps_per_s
                         self.writer.write(step, summary)
@@ -243,7 +212,7 @@ class TrainingRun:
                     if evaluate is not None and step % eval_every == 0 and step != total:
                         self.writer.write(step, evaluate(state))
                     stopping = stop.at(step) and step != total
-                    self.checkpointer.save(step, state, data_iterator=self.data_iterator, config=config.to_dict(),
+                    self.checkpointer.save(step, state, data_iterator=self.data_iterator, config=as_dict(settings),
                                            run=self.run_record, force=step == total or stopping)
                     if stopping:
                         self.checkpointer.wait()
@@ -258,7 +227,7 @@ class TrainingRun:
 
     def check_finite(self, state: TrainState, step: int) -> None:
         """Stops the run once more consecutive updates were refused as non-finite than the config allows."""
-        limit = self.config.optim.max_consecutive_nonfinite
+        limit = self.settings.optim.max_consecutive_nonfinite
         if int(state.nonfinite) > limit:
             self.checkpointer.close()
             raise NonFiniteLossError(
@@ -270,7 +239,7 @@ class TrainingRun:
         """Writes the final evaluation's ``metrics`` (if any) at the last step, closes the writer and the
         checkpointer, and plots ``curves`` from metrics.jsonl (process 0)."""
         if metrics is not None:
-            self.writer.write(self.config.optim.total_steps, metrics)
+            self.writer.write(self.settings.optim.total_steps, metrics)
         self.writer.close()
         self.checkpointer.close()
         if self.main:
@@ -285,7 +254,7 @@ def finish_policy_run(run: TrainingRun, results: dict, rows: list[dict], policy,
     during the export is not taken for a finished one."""
     run.finish({k: v for k, v in results.items() if k.startswith("eval/")} if "eval/n" in results else None,
                curves=curves, png=png, title=title)
-    if run.config.export_hf:
+    if run.settings.export_hf:
         from caper_jax.models import to_hf  # hf_io (safetensors) loads on first use: models.__getattr__
 
         out = to_hf(policy, policy.config, run.workdir / "hf_export")
@@ -300,29 +269,31 @@ def finish_policy_run(run: TrainingRun, results: dict, rows: list[dict], policy,
 # -- dry run
 
 
-def check_dry_run(config) -> None:
-    """The dry run's config rule on top of ``check_config``: it compiles ``model.preset``'s shapes (it
-    reads no HF directory), so the preset must be known even when ``model.hf_dir`` is set."""
-    if "model" not in config:   # an experiment (caper_jax.experiments): its stages' dry runs compile theirs
-        for stage in ("sft", "prm", "grpo"):   # configs/spider_verifier.py has no grpo stage
-            if stage in config:
-                check_dry_run(config[stage])
+def check_dry_run(settings) -> None:
+    """The dry run's rule on top of the settings' own: it compiles ``model.preset``'s shapes (it reads no HF
+    directory), so the preset must be known even when ``model.hf_dir`` is set. An experiment's settings
+    (``caper_jax.experiments``) have no model of their own: each stage's is checked."""
+    if not isinstance(settings, TrainerSettings):
+        for field in dataclasses.fields(settings):   # configs/spider_verifier.py has no grpo stage
+            stage = getattr(settings, field.name)
+            if isinstance(stage, TrainerSettings):
+                check_dry_run(stage)
         return
-    if config.model.preset not in PRESETS:
-        raise ValueError(f"model.preset={config.model.preset!r}: a dry run compiles a preset's shapes; expected "
+    if settings.model.preset not in PRESETS:
+        raise ValueError(f"model.preset={settings.model.preset!r}: a dry run compiles a preset's shapes; expected "
                          f"one of {PRESETS}")
 
 
-def dry_run_architecture(config, **changes):
-    """What a dry run compiles: ``model.preset``'s architecture in the config's dtypes and remat, its
+def dry_run_architecture(settings, **changes):
+    """What a dry run compiles: ``model.preset``'s architecture in the settings' dtypes and remat, its
     layer groups scanned as on an accelerator, ``changes`` overriding fields
     (``caper_jax.rl.dry_run`` builds its PRM without remat)."""
-    runtime = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat,
+    runtime = dict(dtype=settings.model.dtype, param_dtype=settings.model.param_dtype, remat=settings.model.remat,
                    unroll_layers=False)
-    return model_preset(config.model.preset, **{**runtime, **changes})
+    return model_preset(settings.model.preset, **{**runtime, **changes})
 
 
-def dry_run(config, module: type[nnx.Module], make_step: Callable[[Any, Any], Callable],
+def dry_run(settings, module: type[nnx.Module], make_step: Callable[[Any, Any], Callable],
             make_batch: Callable[[Callable], dict], description: str) -> dict:
     """Lowers + compiles a train step on abstract shapes for the current devices; no weights.
 
@@ -330,9 +301,9 @@ def dry_run(config, module: type[nnx.Module], make_step: Callable[[Any, Any], Ca
     tx)`` the jitted step; ``make_batch(struct)`` its batch, ``struct(shape, dtype)`` being an abstract
     array with the batch sharding.
     """
-    mesh, rules = mesh_and_rules(config)
-    arch = dry_run_architecture(config)
-    tx = make_optimizer(config.optim)
+    mesh, rules = mesh_and_rules(settings)
+    arch = dry_run_architecture(settings)
+    tx = make_optimizer(settings.optim)
     graphdef, abstract = rules_lib.abstract_train_state(
         lambda: module(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), lambda p: init_state(p, tx), mesh, rules)
 

@@ -9,8 +9,9 @@
 
 ``--config.a.b=value`` overrides any field; an unknown key or a value of the wrong type is refused with a
 clear message before anything is built or compiled. ``config.trainer`` picks the loop; each loop is a
-module with ``validate(config)`` (raises ValueError on a bad value, before anything is built),
-``run(config, workdir)`` and ``dry_run(config)``.
+module with ``validate(config) -> settings`` (the config turned once into the trainer's frozen settings,
+``caper_jax.settings``; raises ValueError on a bad value, before anything is built), ``run(settings, workdir)``
+and ``dry_run(settings)``.
 
 Exit status: 0 done; 2 a bad command line, config, workdir or input (one ``error:`` line on stderr);
 1 a run stopped by non-finite losses; 130 Ctrl-C; 143 SIGTERM (after saving the current step).
@@ -95,16 +96,16 @@ def main(argv: list[str]) -> None:
     # join jax.distributed first, or every process sees only its own devices.
     multihost.initialize()
     try:
-        trainer.validate(config)
+        settings = trainer.validate(config)
         if _DRY_RUN.value:
             # Deferred like the trainer modules (imported above): a flag error answers before flax and orbax load.
             from caper_jax.loop import check_dry_run
 
-            check_dry_run(config)
+            check_dry_run(settings)
     except (ValueError, KeyError) as e:
         cli.usage_error(f"invalid config: {e}")
     if _DRY_RUN.value:
-        trainer.dry_run(config)
+        trainer.dry_run(settings)
         return
     if not _WORKDIR.value:
         cli.usage_error("--workdir is required (checkpoints, metrics and exports go there)")
@@ -112,7 +113,7 @@ def main(argv: list[str]) -> None:
     if problem:
         cli.usage_error(problem)
     try:
-        trainer.run(config, _WORKDIR.value)
+        trainer.run(settings, _WORKDIR.value)
     # Bad inputs found when the run opens them: data.dir not a usable layout or a malformed split file,
     # a run to start from (or resume) that is missing, damaged or of another model. Their messages say
     # what to do; a traceback adds nothing. Exit status 2, as for a bad command line and as the other

@@ -44,7 +44,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.model.preset = arg.model                # random init of this preset (tests, smoke runs) ...
     c.model.hf_dir = ""                       # ... or an HF Qwen3.5 directory (also the default tokenizer)
     c.model.tokenizer_dir = ""
-    c.model.dtype = "bfloat16" if big else "float32"
+    c.model.dtype = "bfloat16" if big else "float32"   # compute: the policy, its frozen reference AND the frozen PRM
     c.model.param_dtype = "float32"
     c.model.remat = "full" if big else "none"
     c.chunk_size = 128
@@ -64,14 +64,15 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.reward.failure = 0.0                    # error, empty or unparseable SQL
     c.reward.format_penalty = 0.0             # extra penalty for unparseable SQL
     c.reward.prm_weight = 1.0                 # PRM score scale vs the execution reward
-    c.reward.semantics = "spider"             # result comparison: spider | bird
-    c.reward.timeout_s = 2.0                  # per query, sandboxed SQLite
-    c.reward.max_rows = 10_000
+    c.reward.semantics = "spider"             # result comparison (spider | bird) of the rewards AND the final EX
+    c.reward.timeout_s = 2.0                  # per query, sandboxed SQLite: rollouts AND the final EX
+    c.reward.max_rows = 10_000                # likewise
 
     c.sampling = ConfigDict()
     c.sampling.temperature = 1.0
     c.sampling.top_p = 1.0
     c.sampling.top_k = 0
+    # Both cut the rollouts AND the end-of-run greedy EX (eval.num_examples).
     c.sampling.max_new_tokens = 128 if big else 64
     c.sampling.max_prompt_len = 1920 if big else 192
     # Prompt widths the sampler pads a step's prompts to (the smallest that holds the longest; the last

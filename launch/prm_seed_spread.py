@@ -5,7 +5,7 @@
 REPRODUCTION_WORKDIR is a finished run of `bash launch/reproduce_cpu.sh` with the default config
 (held-back pick); it is read, never written, except that its own PRM (``prm/``) is seed 0 of the
 first row. For seeds 0, 1, 2 it trains the reproduction's own PRM stage config
-(``miniature.stage_configs(...)["prm"]``) three ways: the default (SFT-initialised backbone, pick
+(``miniature.stage_settings(...)["prm"]``) three ways: the default (SFT-initialised backbone, pick
 questions held back), a random backbone, and the SFT backbone with the pick questions' samples and
 golds kept in (``OUTDIR/prm_data_insample``). The seed changes the fault-injection draws, the head's
 initialisation and the data order. For each PRM it records the trainer's localisation of the
@@ -14,7 +14,6 @@ SFT policy's test samples reranked (``miniature.rerank_saved_samples`` on a copy
 ``OUTDIR/<row>_s<seed>.json``, then prints the table of docs/reproduce_results/prm_seeds.md.
 Every PRM resumes: a rerun skips what is done.
 """
-import copy
 import json
 import pathlib
 import shutil
@@ -25,6 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from caper_jax.experiments import miniature, rerankers, samples  # noqa: E402
 from caper_jax.prm import trainer  # noqa: E402
+from caper_jax.settings import replace  # noqa: E402
 from configs.reproduce import get_config  # noqa: E402
 
 ROWS = ("heldback_sft", "heldback_random", "insample_sft")
@@ -49,12 +49,10 @@ def measure(config, run: pathlib.Path, out: pathlib.Path, row: str, seed: int) -
     world = run / "world"
     prm_dir = run / "prm" if (row, seed) == ("heldback_sft", 0) else out / f"{row}_s{seed}"
     if not (prm_dir / "results.json").exists():
-        c = copy.deepcopy(miniature.stage_configs(config, run, world, str(world / "tokenizer"))["prm"])
-        c.unlock()
-        c.seed = seed
-        c.data.dir = str(in_sample_data(run, out) if row.startswith("insample") else run / "prm_data")
-        c.model.init_from = "" if row.endswith("random") else str(run / "sft")
-        trainer.run(c, str(prm_dir))
+        stage = miniature.stage_settings(config, run, world, str(world / "tokenizer"))["prm"]
+        trainer.run(replace(stage, {
+            "seed": seed, "data.dir": str(in_sample_data(run, out) if row.startswith("insample") else run / "prm_data"),
+            "model.init_from": "" if row.endswith("random") else str(run / "sft")}), str(prm_dir))
     prm = json.loads((prm_dir / "results.json").read_text())
     pick = rerankers.pick_reranker(config, world, run / "samples" / "train.jsonl", prm_dir)
     eval_copy = out / f"eval_sft_{row}_s{seed}"
@@ -90,7 +88,7 @@ def main(argv: list[str]) -> None:
     for part in ("world/tokenizer", "sft", "prm/results.json", "prm_data", "samples/train.jsonl", "eval/sft"):
         if not (run / part).exists():
             sys.exit(f"error: {run / part} is missing: not a finished reproduction workdir")
-    config = get_config()
+    config = miniature.validate(get_config())
     if not config.report.pick_held_back:
         sys.exit("error: configs/reproduce.py's default no longer holds the pick back; this script assumes it does")
     out.mkdir(parents=True, exist_ok=True)

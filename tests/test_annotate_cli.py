@@ -189,9 +189,14 @@ def test_annotation_never_imports_jax():
 
 
 def test_config_defaults_match_settings_and_variants():
-    from caper_jax.annotate import settings_from_config
+    from caper_jax.annotate import AnnotateSettings
+    from caper_jax.settings import from_config
     from caper_jax.sql.tuples import AnnotationSettings
     from configs import annotate as annotate_config
+
+    def settings_from_config(config):
+        return from_config(AnnotateSettings, config).annotation
+
     assert settings_from_config(annotate_config.get_config()) == AnnotationSettings()
     demo = annotate_config.get_config("demo,limit=5,per_query=2")
     assert (demo.name, tuple(demo.data.splits), demo.data.limit, demo.per_query) == ("demo", ("train", "dev"), 5, 2)

@@ -11,10 +11,12 @@ import pathlib
 from tests.helpers import REPO
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("utils", "sql", "ops", "parallel"),   # import nothing of caper_jax: errors, files, optimiser; the SQL side
-                                           # (no JAX); kernels; mesh, logical sharding rules, host I/O, memory report
+    ("utils", "sql", "ops", "parallel", "settings"),   # import nothing of caper_jax: errors, files, optimiser;
+                                           # the SQL side (no JAX); kernels; mesh, logical sharding rules, host I/O,
+                                           # memory report; a config turned into frozen dataclasses
     ("demo", "models", "checkpoint"),      # the miniature SQL world; the Qwen3.5 backbone; orbax save and restore
     ("data", "runs"),                      # datasets, tokenisers, batches; a saved run read back
+    ("sections",),                         # the settings sections every trainer shares (model, optim, world)
     ("loop",),                             # one live training run: mesh, model, optimiser, data, checkpoints
     ("policy",),                           # prompts, sampling, rollouts, log-probs of a causal LM
     ("prm", "sft"),                        # the Clause-PRM and its trainer; supervised fine-tuning

@@ -1,5 +1,5 @@
-"""caper_jax.loop: the config rules the three trainers share (one rule each), and the run loop's
-logging, resume and non-finite stop on a toy state."""
+"""caper_jax.sections and caper_jax.loop: the config rules the three trainers share (one rule each), and the
+run loop's logging, resume and non-finite stop on a toy state."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -66,13 +66,14 @@ def test_shared_checks_refuse_the_same_way(trainer):
 
 def _toy_run(tmp_path, total_steps=5):
     """A TrainingRun over a three-number state (no model): what the loop does around any trainer's step."""
-    from ml_collections import ConfigDict
+    from caper_jax.settings import replace
+    from caper_jax.sft import trainer as sft
+    from configs import sft as sft_config
 
-    config = ConfigDict({"log_every": 2, "ckpt_every": 2, "ckpt_keep": 2, "sharding_rules": (),
-                         "mesh_shape": {"data": 1, "fsdp": -1, "tensor": 1},
-                         "optim": {"total_steps": total_steps, "lr": 0.1, "warmup_steps": 0,
-                                   "max_consecutive_nonfinite": 1}})
-    run = loop.TrainingRun.start(config, tmp_path / "run")
+    settings = replace(sft.validate(sft_config.get_config()), {
+        "log_every": 2, "ckpt_every": 2, "ckpt_keep": 2, "optim.total_steps": total_steps, "optim.lr": 0.1,
+        "optim.warmup_steps": 0, "optim.max_consecutive_nonfinite": 1, "export_hf": False})
+    run = loop.TrainingRun.start(settings, tmp_path / "run")
     run.use_mesh()
     state = init_state({"w": jnp.zeros(3)}, optax.sgd(0.1))
     return run, run.resume(state, None, run_record=None)
@@ -91,7 +92,7 @@ def test_loop_logs_window_means_and_resumes(tmp_path):
     assert [(r["step"], r["train/loss"]) for r in rows] == [(2, 1.5), (4, 3.5), (5, 5.0)]
     assert list(rows[0]) == ["step", "train/loss", "train/lr", "train/steps_per_s"]
     # the rate the logged step's update applied: the schedule at step - 1 (optim.learning_rate_per_update)
-    assert [r["train/lr"] for r in rows] == pytest.approx([float(learning_rate(run.config.optim)(s - 1))
+    assert [r["train/lr"] for r in rows] == pytest.approx([float(learning_rate(run.settings.optim)(s - 1))
                                                           for s in (2, 4, 5)])
 
     run, state = _toy_run(tmp_path, total_steps=6)
@@ -165,10 +166,11 @@ def test_a_policy_run_stopped_during_its_export_writes_no_results_json(tmp_path,
     import types
 
     import caper_jax.models
+    from caper_jax.settings import replace
 
     run, state = _toy_run(tmp_path)
     run.train(state, _count, log_line=lambda s: "")
-    run.config.export_hf = True
+    run.settings = replace(run.settings, {"export_hf": True})
 
     class Stopped(Exception):
         pass

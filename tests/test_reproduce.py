@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from caper_jax.experiments import miniature, report, samples, stages
+from caper_jax.experiments.settings import ReproduceSettings
+from caper_jax.settings import from_config
 from configs import reproduce as reproduce_config
 from tests.helpers import REPO, run_train
 
@@ -124,7 +126,8 @@ def _fake_stage_outputs(out: pathlib.Path, config) -> dict:
 
 
 def _stage_order(config, out: pathlib.Path) -> tuple[str, ...]:
-    return stages.stage_names(miniature.stages(config, out, stages.StageClock(out / "stage_seconds.json")))
+    settings = from_config(ReproduceSettings, config)
+    return stages.stage_names(miniature.stages(settings, out, stages.StageClock(out / "stage_seconds.json")))
 
 
 def test_collect_and_report_from_stage_outputs(tmp_path):
@@ -321,7 +324,7 @@ def test_run_stages_skips_a_stage_whose_output_exists_and_times_each_by_name(tmp
 def test_the_miniature_stages_keep_the_workdir_layout(tmp_path):
     """Stage names and outputs as a workdir of the single-module orchestrator has them, so such a workdir
     resumes where it stopped (and stage_seconds.json keeps its rows)."""
-    config = reproduce_config.get_config("seeds=2")
+    config = from_config(ReproduceSettings, reproduce_config.get_config("seeds=2"))
     pipeline = miniature.stages(config, tmp_path, stages.StageClock(tmp_path / "stage_seconds.json"))
     out = tmp_path
     grpo = [(stage, out / root / f"{variant}_s{seed}" / "results.json")

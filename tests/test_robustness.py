@@ -575,7 +575,7 @@ def run(config, workdir):
            "nonfinite": NonFiniteLossError("step 4: 3 consecutive non-finite losses/gradients"),
            "interrupt": KeyboardInterrupt()}[config.raises]
 
-sys.modules["fake_trainer"] = types.SimpleNamespace(validate=lambda config: None, run=run, dry_run=None)
+sys.modules["fake_trainer"] = types.SimpleNamespace(validate=lambda config: config, run=run, dry_run=None)
 train.TRAINERS["fake"] = "fake_trainer"
 app.run(train.main, flags_parser=train.parse_flags)
 """

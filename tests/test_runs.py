@@ -169,7 +169,7 @@ def test_a_trainer_starts_from_a_converted_model(converted, mesh):
     reference, config = from_hf(hf_dir)
     prm = prm_config()
     prm.model.init_from = str(out)
-    prm_trainer.validate(prm)
+    prm = prm_trainer.validate(prm)
     model = prm_trainer.build_model(prm, config.vocab_size, mesh, RULES)
     ours = dict(nnx.to_flat_state(nnx.state(model.backbone)))
     for path, value in nnx.to_flat_state(nnx.state(reference)):
@@ -179,7 +179,7 @@ def test_a_trainer_starts_from_a_converted_model(converted, mesh):
         prm_trainer.check_init_from(prm, vocab_size=config.vocab_size + 1)
     grpo = grpo_config()
     grpo.policy.sft_workdir = str(out)
-    policy = rl_trainer.load_policy(grpo, config.vocab_size, mesh, RULES)
+    policy = rl_trainer.load_policy(rl_trainer.validate(grpo), config.vocab_size, mesh, RULES)
     _assert_trees_equal(nnx.state(policy), nnx.state(reference))
 
 
@@ -212,7 +212,7 @@ def test_prm_init_from_takes_a_padded_vocabulary(converted, mesh):
     config = runs.read_run(out).model_config
     prm = prm_config()
     prm.model.init_from = str(out)
-    model = prm_trainer.build_model(prm, config.vocab_size - 8, mesh, RULES)
+    model = prm_trainer.build_model(prm_trainer.validate(prm), config.vocab_size - 8, mesh, RULES)
     assert model.config.vocab_size == config.vocab_size
 
 
@@ -227,8 +227,7 @@ def test_prm_init_from_a_recorded_run_ignores_its_stale_preset(sft_run, mesh, tm
     workdir, _, arch = sft_run
     prm = prm_config()
     prm.model.init_from = str(workdir)
-    prm_trainer.validate(prm)
-    assert prm_trainer.build_model(prm, VOCAB, mesh, RULES).config.hidden_size == arch.hidden_size
+    assert prm_trainer.build_model(prm_trainer.validate(prm), VOCAB, mesh, RULES).config.hidden_size == arch.hidden_size
     legacy, _ = _legacy_copy(workdir, tmp_path / "legacy")
     prm.model.init_from = str(legacy)
     with pytest.raises(CheckpointError, match=f"before the run record .* python -m caper_jax.upgrade_run {legacy}$"):

@@ -114,10 +114,10 @@ def test_a_workdir_verified_before_the_per_candidate_verdicts_is_verified_again(
     monkeypatch.setattr(spider_verifier, "verify_systems", verify_systems)
     cache = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
     try:
-        results = spider_verifier.run(get_config("fast"), str(out))
+        results = spider_verifier.run(spider_verifier.validate(get_config("fast")), str(out))
         assert verified == [out]
         assert results["rerank_minus_mv"]["min"]["n"] == 2 and results["rerank_minus_mv"]["min"]["mean"] == 0.5
-        spider_verifier.run(get_config("fast"), str(out))
+        spider_verifier.run(spider_verifier.validate(get_config("fast")), str(out))
         assert verified == [out]   # the new lines are complete: no second verification
     finally:   # run points XLA's persistent cache at the workdir; the rest of the session must not
         jax.config.update("jax_compilation_cache_dir", cache[0])

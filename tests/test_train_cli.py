@@ -74,17 +74,23 @@ def test_a_data_dir_without_a_layout_is_one_clear_error(tmp_path):
 def test_dry_run_check_accepts_the_reproduction_configs():
     """configs/reproduce.py and spider_verifier.py have no model of their own: their stages' are checked.
     Each config as written is accepted, and an unknown preset in any one of its stages is refused."""
+    from caper_jax.experiments.settings import ReproduceSettings, SpiderVerifierSettings
     from caper_jax.loop import check_dry_run
+    from caper_jax.settings import from_config, replace
     from configs import reproduce, spider_verifier
 
-    for config in (reproduce.get_config(), reproduce.get_config("full"), spider_verifier.get_config()):
+    full = reproduce.get_config("full")
+    full.data.dir = "/data/spider"          # :full reads Spider/BIRD layout data from the command line
+    for config, cls in ((reproduce.get_config(), ReproduceSettings), (full, ReproduceSettings),
+                        (spider_verifier.get_config(), SpiderVerifierSettings)):
         assert "model" not in config, "a reproduction config's models are its stages'"
         stages = [name for name, value in config.items() if hasattr(value, "get") and "model" in value]
         assert {"sft", "prm"} <= set(stages), stages
-        assert check_dry_run(config) is None
+        settings = from_config(cls, config)
+        check_dry_run(settings)             # raises on a refused preset
         for stage in stages:
-            broken = config.copy_and_resolve_references()
-            broken[stage].model.preset = "qwen35_0b"
+            # A preset the dry run cannot compile, next to an HF directory (which lets a run through).
+            broken = replace(settings, {f"{stage}.model.preset": "qwen35_0b", f"{stage}.model.hf_dir": "/x"})
             with pytest.raises(ValueError, match=r"model.preset='qwen35_0b': a dry run compiles a preset's shapes"):
                 check_dry_run(broken)
 

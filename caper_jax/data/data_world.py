@@ -1,13 +1,13 @@
 """Which text-to-SQL world a run trains on: the built-in demo world or Spider/BIRD-layout data.
 
-Every trainer (PRM, SFT, GRPO) and the evaluator start from ``prepare_world(config, workdir)``:
+Every trainer (PRM, SFT, GRPO) starts from ``prepare_world(settings, workdir)``:
 
-* ``config.data.kind == "demo"``: the demo world is built under ``<workdir>/demo_world`` (or reused
+* ``data.kind == "demo"``: the demo world is built under ``<workdir>/demo_world`` (or reused
   when its manifest matches) together with the demo tokenizer — no downloads.
-* ``config.data.kind == "spider"``: ``config.data.dir`` holds Spider or BIRD layout, read by
+* ``data.kind == "spider"``: ``data.dir`` holds Spider or BIRD layout, read by
   ``caper_jax.data.spider`` (Spider: ``train_spider.json`` + ``train_others.json``, ``dev.json``,
   ``tables.json``, ``database/``; BIRD: ``train/train.json``, ``dev.json``, ``<split>_tables.json``,
-  ``dev_databases/`` and ``train_databases/``); the tokenizer comes from ``config.model.tokenizer_dir``
+  ``dev_databases/`` and ``train_databases/``); the tokenizer comes from ``model.tokenizer_dir``
   or the model's HF directory.
 
 ``DataWorld.database_dir`` is every database folder of the layout (a tuple, searched in order):
@@ -46,44 +46,32 @@ def _tokenizer_from(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def check_data_config(config) -> None:
-    """The data fields a run needs, from the config alone (trainers' ``validate``, before anything is
-    written); whether ``data.dir`` holds a usable layout is ``prepare_world``'s to find out."""
-    kind = config.data.kind
-    if kind not in ("demo", "spider"):
-        raise WorldError(f"data.kind={kind!r}; expected 'demo' or 'spider'")
-    if kind == "spider":
-        if not config.data.dir:
-            raise WorldError("data.kind='spider' needs --config.data.dir=<Spider/BIRD layout directory>")
-        if not (config.model.tokenizer_dir or config.model.hf_dir):
-            raise WorldError("Spider data needs a tokenizer: set model.tokenizer_dir or model.hf_dir")
-
-
-def prepare_world(config, workdir: str | pathlib.Path) -> DataWorld:
-    check_data_config(config)
-    kind = config.data.kind
+def prepare_world(settings, workdir: str | pathlib.Path) -> DataWorld:
+    """The world of a trainer's settings (``data``, ``model``, ``seed``; checked when they were built,
+    ``caper_jax.sections``): whether ``data.dir`` holds a usable layout is found here."""
+    kind = settings.data.kind
     if kind == "demo":
         from caper_jax.data.tokenizer import build_demo_tokenizer  # transformers, tokenizers: the demo only
 
-        root = pathlib.Path(config.data.dir) if config.data.dir else pathlib.Path(workdir) / "demo_world"
-        build_demo_world(root, seed=config.seed, train_size=config.data.demo_train_size,
-                         dev_size=config.data.demo_dev_size)
+        root = pathlib.Path(settings.data.dir) if settings.data.dir else pathlib.Path(workdir) / "demo_world"
+        build_demo_world(root, seed=settings.seed, train_size=settings.data.demo_train_size,
+                         dev_size=settings.data.demo_dev_size)
         tok_dir = root / "tokenizer"
-        if config.model.tokenizer_dir:
-            tok_dir = pathlib.Path(config.model.tokenizer_dir)
-            tokenizer = _tokenizer_from(config.model.tokenizer_dir)
+        if settings.model.tokenizer_dir:
+            tok_dir = pathlib.Path(settings.model.tokenizer_dir)
+            tokenizer = _tokenizer_from(settings.model.tokenizer_dir)
         elif (tok_dir / "tokenizer.json").exists():
             tokenizer = _tokenizer_from(str(tok_dir))
         else:
-            tokenizer = build_demo_tokenizer(tok_dir, seed=config.seed)
+            tokenizer = build_demo_tokenizer(tok_dir, seed=settings.seed)
         return DataWorld(root, readers.database_dirs(root), tokenizer, kind, tok_dir)
-    if kind == "spider":
-        root = pathlib.Path(config.data.dir)
-        if not root.is_dir():
-            raise WorldError(f"data.dir {root} does not exist")
-        source = config.model.tokenizer_dir or config.model.hf_dir
-        databases = readers.database_dirs(root)
-        if not databases:
-            raise WorldError(f"{root} has no database folder (Spider: database/; BIRD: dev_databases/, "
-                             f"train_databases/ or dev/dev_databases/, train/train_databases/)")
-        return DataWorld(root, databases, _tokenizer_from(source), kind, pathlib.Path(source))
+    # spider: data.dir and a tokenizer are set (caper_jax.sections.check_world)
+    root = pathlib.Path(settings.data.dir)
+    if not root.is_dir():
+        raise WorldError(f"data.dir {root} does not exist")
+    source = settings.model.tokenizer_dir or settings.model.hf_dir
+    databases = readers.database_dirs(root)
+    if not databases:
+        raise WorldError(f"{root} has no database folder (Spider: database/; BIRD: dev_databases/, "
+                         f"train_databases/ or dev/dev_databases/, train/train_databases/)")
+    return DataWorld(root, databases, _tokenizer_from(source), kind, pathlib.Path(source))

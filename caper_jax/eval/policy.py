@@ -40,6 +40,7 @@ import numpy as np
 from caper_jax import loop, runs
 from caper_jax.data.spider import MissingDatabaseError, database_dirs, db_path, load_split
 from caper_jax.eval import report
+from caper_jax.eval.settings import EvalSettings
 from caper_jax.eval.ex import majority_vote
 from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.policy import sampling as sampling_lib
@@ -49,6 +50,7 @@ from caper_jax.sft.data import examples_from_split
 from caper_jax.sql.contract import policy_prompt, prompt_question
 from caper_jax.sql.execution import Executors, order_matters, results_equal
 from caper_jax.sql.semantics import comparison, executed_sql
+from caper_jax.settings import as_dict
 from caper_jax.utils.subset import seeded_subset
 
 log = logging.getLogger("caper_jax")
@@ -61,6 +63,13 @@ class Policy:
     stop_token: int             # END_OF_SQL
     train_config: dict | None   # the trainer config stored with the checkpoint (None for an HF dir)
     source: str
+
+    @property
+    def schema_values(self) -> int:
+        """The schema text's values per column the policy was trained with: its saved config's (SFT and GRPO
+        configs set data.schema_values); an HF directory was not trained here and reads schemas as the
+        annotator writes them, without values."""
+        return 0 if self.train_config is None else self.train_config["data"]["schema_values"]
 
 
 # -- loading
@@ -191,47 +200,46 @@ def usable_examples(data_dir: pathlib.Path, split: str, schema_values: int, exec
     return usable, dict(excluded)
 
 
-def run(config, workdir: str | pathlib.Path) -> dict:
+def run(settings: EvalSettings, workdir: str | pathlib.Path) -> dict:
     """Loads policy (and PRM), decodes, scores, writes results.json, results.md, predictions.jsonl."""
     workdir = pathlib.Path(workdir)
-    mesh, rules = loop.mesh_and_rules(config)
-    policy_path = config.policy.workdir or config.policy.hf_dir
-    policy = load_policy(policy_path, mesh, rules, dtype=config.policy.dtype or None)
+    mesh, rules = loop.mesh_and_rules(settings)
+    policy_path = settings.policy.workdir or settings.policy.hf_dir
+    policy = load_policy(policy_path, mesh, rules, dtype=settings.policy.dtype or None)
     train = policy.train_config or {}
-    data_dir = pathlib.Path(config.data.dir or _policy_data_dir(train, policy_path))
-    schema_values = config.data.schema_values if config.data.schema_values >= 0 else \
-        train.get("data", {}).get("schema_values", 0)
-    s = config.sampling
-    with Executors(database_dir(data_dir), timeout_s=config.timeout_s) as executors:
-        examples, excluded = usable_examples(data_dir, config.data.split, schema_values, executors,
-                                             config.data.num_examples, config.seed)
+    data_dir = pathlib.Path(settings.data.dir or _policy_data_dir(train, policy_path))
+    schema_values = settings.data.schema_values if settings.data.schema_values >= 0 else policy.schema_values
+    s = settings.sampling
+    with Executors(database_dir(data_dir), timeout_s=settings.timeout_s) as executors:
+        examples, excluded = usable_examples(data_dir, settings.data.split, schema_values, executors,
+                                             settings.data.num_examples, settings.seed)
         if not examples:
-            raise ValueError(f"no usable example in {data_dir} split {config.data.split!r} (excluded: {excluded})")
+            raise ValueError(f"no usable example in {data_dir} split {settings.data.split!r} (excluded: {excluded})")
         prompts = [policy_prompt(ex.question, ex.schema, ex.evidence) for ex in examples]
         log.info("policy %s: decoding %d prompts (greedy + %d samples each)", policy.source, len(prompts), s.k)
         with jax.set_mesh(mesh):
             greedy, samples = sampling_lib.decode(
                 policy.model, policy.tokenizer, prompts, stop_tokens=(policy.stop_token,), k=s.k,
                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_prompt_len=s.max_prompt_len,
-                max_new_tokens=s.max_new_tokens, batch_size=s.batch_size, seed=config.seed)
+                max_new_tokens=s.max_new_tokens, batch_size=s.batch_size, seed=settings.seed)
         scorer = None
-        if config.prm.path:
-            scorer = scoring.load_scorer(config.prm.path, mesh=mesh, rules=rules, batch_size=config.prm.batch_size,
-                                 max_len=config.prm.max_len or None)
-        metrics, rows = score_examples(examples, greedy, samples, executors, semantics=config.data.semantics,
+        if settings.prm.path:
+            scorer = scoring.load_scorer(settings.prm.path, mesh=mesh, rules=rules, batch_size=settings.prm.batch_size,
+                                 max_len=settings.prm.max_len or None)
+        metrics, rows = score_examples(examples, greedy, samples, executors, semantics=settings.data.semantics,
                                        prm_scores=scorer.score_queries if scorer else None,
-                                       aggregates=tuple(config.prm.aggregates))
-    results = {"policy": policy.source, "prm": config.prm.path or None, "data": str(data_dir),
-               "split": config.data.split, "n": len(examples), "k": s.k, "excluded": excluded,
-               "semantics": config.data.semantics, "schema_values": schema_values, "metrics": metrics,
-               "config": config.to_dict()}
+                                       aggregates=settings.prm.aggregates)
+    results = {"policy": policy.source, "prm": settings.prm.path or None, "data": str(data_dir),
+               "split": settings.data.split, "n": len(examples), "k": s.k, "excluded": excluded,
+               "semantics": settings.data.semantics, "schema_values": schema_values, "metrics": metrics,
+               "config": as_dict(settings)}
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     with (workdir / "predictions.jsonl").open("w") as f:
         f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    header = (f"# Policy evaluation\n\nPolicy `{policy.source}` on `{data_dir}` split `{config.data.split}`: "
+    header = (f"# Policy evaluation\n\nPolicy `{policy.source}` on `{data_dir}` split `{settings.data.split}`: "
               f"{len(examples)} examples (excluded: {excluded or 'none'}), k = {s.k} samples at temperature "
-              f"{s.temperature}, PRM `{config.prm.path or 'none'}`.\n\n")
+              f"{s.temperature}, PRM `{settings.prm.path or 'none'}`.\n\n")
     (workdir / "results.md").write_text(header + report.policy_table(results))
     return results
 

@@ -10,7 +10,6 @@ import json
 import pathlib
 
 import numpy as np
-from ml_collections import ConfigDict
 
 from caper_jax.utils.monitoring import plot_bars
 
@@ -49,7 +48,7 @@ def _pm(entry: dict) -> str:
     return f"{100 * entry['mean']:.1f} ± {100 * entry['std']:.1f}"
 
 
-def write_miniature_report(config: ConfigDict, results: dict, out: pathlib.Path, stage_order: tuple[str, ...]
+def write_miniature_report(settings, results: dict, out: pathlib.Path, stage_order: tuple[str, ...]
                            ) -> None:
     """results.json, results.md and the plots of the miniature reproduction; ``stage_order``: the rows of
     its wall-time table."""
@@ -62,7 +61,7 @@ def write_miniature_report(config: ConfigDict, results: dict, out: pathlib.Path,
         plot_bars(groups, out / "localization_per_clause.png",
                   title="Root-cause localisation top-1 by true clause", ylabel="top-1")
     k, how = results["k"], results["rerank_aggregate"]
-    names = ["sft", *config.variants]
+    names = ["sft", *settings.variants]
     label = {"sft": "SFT (start of every GRPO run)", "sparse": "GRPO, sparse (execution only)",
              "token": "GRPO, token-level PRM reward", "clause": "GRPO, clause-level (CAPER)"}
     seeds = len(results["seeds"])
@@ -94,7 +93,7 @@ def write_miniature_report(config: ConfigDict, results: dict, out: pathlib.Path,
             for r in results["rerank8"].values()) + " |" for n in names],
         "\nTraining curves per variant (mean over seeds): `grpo_curves.png`.\n",
         "## What the numbers can say\n",
-        *reading(results, config),
+        *reading(results, settings),
         "\n## Which of the paper's three claims this run supports\n",
         *claims(results),
         "\n## Wall time per stage (s)\n",
@@ -120,7 +119,7 @@ def localization_table(results: dict) -> list[str]:
     ]
 
 
-def reading(results: dict, config: ConfigDict) -> list[str]:
+def reading(results: dict, settings) -> list[str]:
     """Differences the tables imply, with the resolution of the evaluation next to them."""
     n = results["n_eval_questions"]
     lines = [f"- One held-out question is {100 / n:.2f} EX points (n = {n}); a binomial standard error at "

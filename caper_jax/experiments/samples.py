@@ -14,7 +14,6 @@ import pathlib
 from typing import AbstractSet, Any, Callable
 
 import jax
-from ml_collections import ConfigDict
 
 from caper_jax import loop
 from caper_jax.eval import policy as policy_lib
@@ -35,13 +34,13 @@ def groups_path(train_samples: pathlib.Path) -> pathlib.Path:
     return train_samples.with_name("train_groups.jsonl")
 
 
-def samples_stage(config: ConfigDict, data_dir: pathlib.Path, out: pathlib.Path) -> Stage:
+def samples_stage(settings, data_dir: pathlib.Path, out: pathlib.Path) -> Stage:
     """The SFT policy's k samples per training question (``sample_train_questions``), once."""
     train_samples = train_samples_path(out)
 
     def sample() -> None:
-        n = sample_train_questions(config, data_dir, out / "sft", train_samples)
-        multihost.log_main("%d distinct samples of %d training questions", n, config.samples.train_questions)
+        n = sample_train_questions(settings, data_dir, out / "sft", train_samples)
+        multihost.log_main("%d distinct samples of %d training questions", n, settings.samples.train_questions)
 
     return Stage("samples", train_samples, sample)
 
@@ -59,23 +58,23 @@ def confidence_stage(out: pathlib.Path, write_prm_data: Callable[[], None]) -> S
     return Stage("confidence", AnyOf((marker, completion(out / "prm"))), write)
 
 
-def sample_train_questions(config: ConfigDict, data_dir: pathlib.Path, policy_dir: pathlib.Path,
+def sample_train_questions(settings, data_dir: pathlib.Path, policy_dir: pathlib.Path,
                            out_path: pathlib.Path) -> int:
     """k samples per training question of the SFT policy (no greedy decode) -> prediction records."""
-    e = config.eval
+    e = settings.eval
     mesh, rules = loop.mesh_and_rules(e)
     policy = policy_lib.load_policy(policy_dir, mesh, rules)
-    schema_values = (policy.train_config or {}).get("data", {}).get("schema_values", 0)
+    schema_values = policy.schema_values
     with Executors(policy_lib.database_dir(data_dir), timeout_s=e.timeout_s) as executors:
-        examples, _ = policy_lib.usable_examples(data_dir, config.sft.data.train_split, schema_values, executors,
-                                                 config.samples.train_questions, config.seed)
+        examples, _ = policy_lib.usable_examples(data_dir, settings.sft.data.train_split, schema_values, executors,
+                                                 settings.samples.train_questions, settings.seed)
     prompts = [policy_prompt(ex.question, ex.schema, ex.evidence) for ex in examples]
     s = e.sampling
     with jax.set_mesh(mesh):
         _, samples = sampling.decode(policy.model, policy.tokenizer, prompts, stop_tokens=(policy.stop_token,),
                                      k=s.k, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                      max_prompt_len=s.max_prompt_len, max_new_tokens=s.max_new_tokens,
-                                     batch_size=s.batch_size, seed=config.seed, greedy=False)
+                                     batch_size=s.batch_size, seed=settings.seed, greedy=False)
     records = [{"db_id": ex.db_id, "question": ex.question, "gold": ex.sql, "pred": sql}
                for ex, group in zip(examples, samples) for sql in unique(group)]
     # The whole groups of k (repeats included) are the pool the reranker is picked on: a vote needs them.
@@ -85,25 +84,18 @@ def sample_train_questions(config: ConfigDict, data_dir: pathlib.Path, policy_di
     return len(records)
 
 
-def pick_groups(config: ConfigDict, train_samples: pathlib.Path) -> list[dict]:
+def pick_groups(settings, train_samples: pathlib.Path) -> list[dict]:
     """The sampled training questions (whole groups of k) the reranker is picked on: a seeded subset of
     ``report.pick_questions``; with ``report.pick_held_back`` the PRM never trains on them."""
     groups = [json.loads(line) for line in groups_path(train_samples).read_text().splitlines() if line.strip()]
-    return seeded_subset(groups, config.report.pick_questions, config.seed)
+    return seeded_subset(groups, settings.report.pick_questions, settings.seed)
 
 
-def held_back_questions(config: ConfigDict, train_samples: pathlib.Path) -> set[tuple[str, str, str]]:
+def held_back_questions(settings, train_samples: pathlib.Path) -> set[tuple[str, str, str]]:
     """(db_id, question, gold) of the pick questions when ``report.pick_held_back``, else nothing."""
-    if not config.report.pick_held_back:
+    if not settings.report.pick_held_back:
         return set()
-    return {(g["db_id"], g["question"], g["gold"]) for g in pick_groups(config, train_samples)}
-
-
-def check_pick_held_back(config: ConfigDict) -> None:
-    """Holding the pick questions back must leave the PRM some sampled training question (both pipelines)."""
-    if config.report.pick_held_back and config.report.pick_questions >= config.samples.train_questions:
-        raise ValueError(f"report.pick_held_back leaves the PRM no sampled question: report.pick_questions="
-                         f"{config.report.pick_questions} >= samples.train_questions={config.samples.train_questions}")
+    return {(g["db_id"], g["question"], g["gold"]) for g in pick_groups(settings, train_samples)}
 
 
 def build_prm_data(data_dir: pathlib.Path, train_samples: pathlib.Path, eval_predictions: pathlib.Path,
@@ -148,12 +140,12 @@ def build_prm_data(data_dir: pathlib.Path, train_samples: pathlib.Path, eval_pre
     write_jsonl(out / f"predictions_{eval_split}.jsonl", records)
 
 
-def add_policy_confidence(config: ConfigDict, examples: list, policy_dir: pathlib.Path,
+def add_policy_confidence(settings, examples: list, policy_dir: pathlib.Path,
                           predictions: pathlib.Path) -> None:
     """Adds ``clause_logprob`` (the policy's mean token log-prob per clause, ``caper_jax.eval.confidence``)
     to every line of a predictions file: the confidence baseline's input. ``examples`` give each line's
     prompt as the policy reads it (its schema text); a line whose question is not among them is an error."""
-    e = config.eval
+    e = settings.eval
     mesh, rules = loop.mesh_and_rules(e)
     policy = policy_lib.load_policy(policy_dir, mesh, rules)
     by_question = {(ex.db_id, ex.question, ex.sql): ex for ex in examples}

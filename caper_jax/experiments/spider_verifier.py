@@ -20,7 +20,6 @@ The stages (``stages``; each skipped once its output exists, ``caper_jax.experim
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import json
@@ -29,7 +28,6 @@ import pathlib
 
 import jax
 import numpy as np
-from ml_collections import ConfigDict
 
 from caper_jax import loop
 from caper_jax.data.spider import load_schemas, load_split, read_system_predictions
@@ -38,13 +36,14 @@ from caper_jax.eval import verifier
 from caper_jax.eval.ex import evaluate_ex
 from caper_jax.experiments import report
 from caper_jax.experiments.rerankers import pick_stage, prm_scorer
-from caper_jax.experiments.samples import (add_policy_confidence, build_prm_data, check_pick_held_back,
-                                           confidence_stage, held_back_questions, samples_stage,
-                                           train_samples_path, write_jsonl)
+from caper_jax.experiments.samples import (add_policy_confidence, build_prm_data, confidence_stage,
+                                           held_back_questions, samples_stage, train_samples_path, write_jsonl)
+from caper_jax.experiments.settings import SpiderVerifierSettings
 from caper_jax.experiments.stages import Stage, StageClock, completion, run_experiment, with_report
 from caper_jax.parallel import multihost
 from caper_jax.prm import trainer as prm_trainer
 from caper_jax.prm.localization import best_fair_baseline
+from caper_jax.settings import from_config, replace
 from caper_jax.sft import trainer as sft_trainer
 from caper_jax.sql.contract import policy_prompt, serialize_schema
 from caper_jax.sql.execution import Executors
@@ -54,50 +53,42 @@ from caper_jax.utils.subset import seeded_subset
 log = logging.getLogger("caper_jax")
 
 
-# -- configuration
+# -- settings
 
 
-def validate(config: ConfigDict) -> None:
-    for key in ("spider_dir", "predictions_dir"):
-        if not pathlib.Path(config.data[key]).is_dir():
-            raise ValueError(f"data.{key}={config.data[key]!r} is not a directory")
-    for name in config.data.systems:
-        if not (pathlib.Path(config.data.predictions_dir) / name).is_file():
-            raise ValueError(f"data.systems: {name!r} is not in {config.data.predictions_dir}")
-    if config.data.train_questions < 0 or config.data.dev_questions < 0:
-        raise ValueError("data.train_questions and data.dev_questions must be >= 0 (0: all)")
-    if config.samples.train_questions < 1 or config.report.pick_questions < 1:
-        raise ValueError("samples.train_questions and report.pick_questions must be >= 1")
-    check_pick_held_back(config)
-    if config.eval.sampling.k < 2:
-        raise ValueError(f"eval.sampling.k must be >= 2 (a vote on the training pool), got {config.eval.sampling.k}")
-    configs = stage_configs(config, pathlib.Path("/nonexistent"))
-    configs["prm"].model.init_from = ""       # the SFT run does not exist yet; the PRM trainer checks it then
-    for name, check in (("sft", sft_trainer.validate), ("prm", prm_trainer.validate)):
+def validate(config) -> SpiderVerifierSettings:
+    """The config built into ``SpiderVerifierSettings`` (its values and each stage's checked there), then what
+    the machine answers: the data folders and the systems' files exist, each wired stage's ``check_job``."""
+    settings = from_config(SpiderVerifierSettings, config)
+    for key, path in (("spider_dir", settings.data.spider_dir), ("predictions_dir", settings.data.predictions_dir)):
+        if not pathlib.Path(path).is_dir():
+            raise ValueError(f"data.{key}={path!r} is not a directory")
+    for name in settings.data.systems:
+        if not (pathlib.Path(settings.data.predictions_dir) / name).is_file():
+            raise ValueError(f"data.systems: {name!r} is not in {settings.data.predictions_dir}")
+    stages = stage_settings(settings, pathlib.Path("/nonexistent"))
+    # The SFT run does not exist yet; the PRM trainer checks it then.
+    prm = replace(stages["prm"], {"model.init_from": ""})
+    for name, check, stage in (("sft", sft_trainer.check_job, stages["sft"]), ("prm", prm_trainer.check_job, prm)):
         try:
-            check(configs[name])
+            check(stage)
         except (ValueError, KeyError) as e:
             raise ValueError(f"{name}: {e}") from e
+    return settings
 
 
-def dry_run(config: ConfigDict) -> dict:
+def dry_run(settings: SpiderVerifierSettings) -> dict:
     """The SFT and PRM trainers' dry runs (compiled step, FLOPs, per-device memory) on the current devices."""
-    return {"sft": sft_trainer.dry_run(config.sft), "prm": prm_trainer.dry_run(config.prm)}
+    return {"sft": sft_trainer.dry_run(settings.sft), "prm": prm_trainer.dry_run(settings.prm)}
 
 
-def stage_configs(config: ConfigDict, out: pathlib.Path) -> dict:
+def stage_settings(settings: SpiderVerifierSettings, out: pathlib.Path) -> dict:
     """SFT on the view's training questions; the PRM on prm_data/ with the SFT run as its backbone."""
     view = out / "spider"
-    sft, prm = copy.deepcopy(config.sft), copy.deepcopy(config.prm)
-    for c in (sft, prm):
-        c.unlock()
-        c.seed = config.seed
-        c.data.kind = "spider"
-        c.model.tokenizer_dir = str(view / "tokenizer")
-    sft.data.dir = str(view)
-    prm.data.dir = str(out / "prm_data")
-    prm.model.init_from = str(out / "sft")
-    return {"sft": sft, "prm": prm}
+    common = {"seed": settings.seed, "data.kind": "spider", "model.tokenizer_dir": str(view / "tokenizer")}
+    return {"sft": replace(settings.sft, {**common, "data.dir": str(view)}),
+            "prm": replace(settings.prm, {**common, "data.dir": str(out / "prm_data"),
+                                          "model.init_from": str(out / "sft")})}
 
 
 # -- stages
@@ -121,73 +112,73 @@ class Verified:
         return True
 
 
-def stages(config: ConfigDict, out: pathlib.Path, clock: StageClock) -> list[Stage]:
+def stages(settings: SpiderVerifierSettings, out: pathlib.Path, clock: StageClock) -> list[Stage]:
     """The pipeline, stage by stage (the module docstring's table); ``clock`` gives the report its times."""
     view = out / "spider"
-    configs = stage_configs(config, out)
+    staged = stage_settings(settings, out)
     train_samples = train_samples_path(out)
     # The six systems' dev candidates, read once the view exists and only by the stages that need them.
-    candidates = functools.cache(lambda: system_candidates(config, view))
+    candidates = functools.cache(lambda: system_candidates(settings, view))
 
     def write_view() -> None:
-        multihost.log_main("Spider view: %s", build_spider_view(config, view))
+        multihost.log_main("Spider view: %s", build_spider_view(settings, view))
 
     def write_prm_data() -> None:
         pools = out / "systems_dev.jsonl"   # the six systems' candidates as an evaluation's sample rows
         write_jsonl(pools, [{"db_id": c["db_id"], "question": c["question"], "gold": c["gold"],
                              "samples": c["candidates"]} for c in candidates()])
         build_prm_data(view, train_samples, pools, out / "prm_data", "train", "dev",
-                       held_back_questions(config, train_samples))
-        with Executors(policy_lib.database_dir(view), timeout_s=config.eval.timeout_s) as executors:
-            examples, _ = policy_lib.usable_examples(view, "dev", config.sft.data.schema_values, executors, 0,
-                                                     config.seed)
-        add_policy_confidence(config, examples, out / "sft", out / "prm_data" / "predictions_dev.jsonl")
+                       held_back_questions(settings, train_samples))
+        with Executors(policy_lib.database_dir(view), timeout_s=settings.eval.timeout_s) as executors:
+            examples, _ = policy_lib.usable_examples(view, "dev", settings.sft.data.schema_values, executors, 0,
+                                                     settings.seed)
+        add_policy_confidence(settings, examples, out / "sft", out / "prm_data" / "predictions_dev.jsonl")
 
     def write_verify() -> None:
-        verified = verify_systems(config, view, candidates(), out)
+        verified = verify_systems(settings, view, candidates(), out)
         (out / "verify.json").write_text(json.dumps(verified, indent=1) + "\n")
 
     work = [
         Stage("view", view / "tokenizer" / "tokenizer.json", write_view),
-        Stage("sft", completion(out / "sft"), functools.partial(sft_trainer.run, configs["sft"], str(out / "sft"))),
-        samples_stage(config, view, out),
+        Stage("sft", completion(out / "sft"), functools.partial(sft_trainer.run, staged["sft"], str(out / "sft"))),
+        samples_stage(settings, view, out),
         confidence_stage(out, write_prm_data),
-        Stage("prm", completion(out / "prm"), functools.partial(prm_trainer.run, configs["prm"], str(out / "prm"))),
-        pick_stage(config, view, train_samples, out),
+        Stage("prm", completion(out / "prm"), functools.partial(prm_trainer.run, staged["prm"], str(out / "prm"))),
+        pick_stage(settings, view, train_samples, out),
         Stage("verify", Verified(out), write_verify),
     ]
-    return with_report(work, clock, functools.partial(collect, config, out),
+    return with_report(work, clock, functools.partial(collect, settings, out),
                        lambda results, order: report.write_verifier_report(results, out, order))
 
 
-def run(config: ConfigDict, workdir: str) -> dict:
+def run(settings: SpiderVerifierSettings, workdir: str) -> dict:
     """SFT -> samples -> Clause-PRM (SFT-initialised) -> localisation and reranking of six real systems."""
-    return run_experiment(functools.partial(stages, config), workdir, summary_lib.spider_verifier_run)
+    return run_experiment(functools.partial(stages, settings), workdir, summary_lib.spider_verifier_run)
 
 
-def build_spider_view(config: ConfigDict, view: pathlib.Path) -> dict:
+def build_spider_view(settings: SpiderVerifierSettings, view: pathlib.Path) -> dict:
     """A Spider-layout folder of links: database/ and tables.json; train.json = the training questions
     whose database is present (a seeded subset of ``data.train_questions`` when > 0, from
     train_no_db/train_spider_questions.json); dev.json = the dev questions whose database is present
     (a seeded subset of ``data.dev_questions``), each with ``source_index``, its line in the systems'
     files; and a byte-level BPE tokenizer trained on the training prompts + SQL only."""
-    # Deferred: it loads transformers (seconds), which only building the view needs, not a config check or a resume.
+    # Deferred: it loads transformers (seconds), which only building the view needs, not a settings check or a resume.
     from caper_jax.data.tokenizer import SPECIAL_TOKENS, SQL_WORDS, build_demo_tokenizer
 
-    src = pathlib.Path(config.data.spider_dir).resolve()
+    src = pathlib.Path(settings.data.spider_dir).resolve()
     view.mkdir(parents=True, exist_ok=True)
     for name in ("database", "tables.json"):
         if not (view / name).exists():
             (view / name).symlink_to(src / name)
     present = {p.name for p in (src / "database").iterdir() if (p / f"{p.name}.sqlite").is_file()}
-    rng = np.random.default_rng(config.seed)   # one stream: the dev subset is drawn after the train subset
+    rng = np.random.default_rng(settings.seed)   # one stream: the dev subset is drawn after the train subset
     train = [r for r in json.loads((src / "train_no_db" / "train_spider_questions.json").read_text())
              if r["db_id"] in present]
     train = seeded_subset([{"db_id": r["db_id"], "question": r["question"], "query": r["query"]} for r in train],
-                          config.data.train_questions, rng)
+                          settings.data.train_questions, rng)
     dev = [dict(r, source_index=i) for i, r in enumerate(json.loads((src / "dev.json").read_text()))
            if r["db_id"] in present]
-    dev = seeded_subset(dev, config.data.dev_questions, rng)
+    dev = seeded_subset(dev, settings.data.dev_questions, rng)
     (view / "train.json").write_text(json.dumps(train))
     (view / "dev.json").write_text(json.dumps(dev))
     schemas = load_schemas(view)
@@ -197,34 +188,35 @@ def build_spider_view(config: ConfigDict, view: pathlib.Path) -> dict:
         for special in SPECIAL_TOKENS:
             prompt = prompt.replace(special, "\n")
         corpus.append(prompt + r["query"])
-    build_demo_tokenizer(view / "tokenizer", vocab_size=config.data.vocab_size, seed=config.seed, corpus=corpus)
+    build_demo_tokenizer(view / "tokenizer", vocab_size=settings.data.vocab_size, seed=settings.seed, corpus=corpus)
     return {"train": len(train), "dev": len(dev), "databases": len(present)}
 
 
-def system_candidates(config: ConfigDict, view: pathlib.Path) -> list[dict]:
+def system_candidates(settings: SpiderVerifierSettings, view: pathlib.Path) -> list[dict]:
     """Per dev question of the view: index (in the view's dev.json), db_id, question, gold, and the
     systems' predictions in ``data.systems`` order (``caper_jax.data.spider.read_sql_predictions``)."""
-    full = load_split(config.data.spider_dir, "dev")
-    per_system = read_system_predictions(config.data.predictions_dir, config.data.systems, full)
+    full = load_split(settings.data.spider_dir, "dev")
+    per_system = read_system_predictions(settings.data.predictions_dir, settings.data.systems, full)
     dev = json.loads((view / "dev.json").read_text())
     return [{"index": i, "db_id": r["db_id"], "question": r["question"], "gold": r["query"],
              "candidates": [preds[r["source_index"]] for preds in per_system]} for i, r in enumerate(dev)]
 
 
-def verify_systems(config: ConfigDict, view: pathlib.Path, candidates: list[dict], out: pathlib.Path) -> dict:
+def verify_systems(settings: SpiderVerifierSettings, view: pathlib.Path, candidates: list[dict],
+                   out: pathlib.Path) -> dict:
     """EX of each system alone (``evaluate ex``) and of the pool: first, MV@n, every PRM reranker, oracle@n."""
     pool = out / "systems_candidates.jsonl"
     write_jsonl(pool, [{"index": c["index"], "candidates": c["candidates"]} for c in candidates])
     alone = {}
-    for j, name in enumerate(config.data.systems):
+    for j, name in enumerate(settings.data.systems):
         path = out / "systems" / f"{name}.jsonl"
         write_jsonl(path, [{"index": c["index"], "pred": c["candidates"][j]} for c in candidates])
-        alone[name] = evaluate_ex(view, "dev", path, semantics=config.verify.semantics,
+        alone[name] = evaluate_ex(view, "dev", path, semantics=settings.verify.semantics,
                                   report=lambda message: log.info("%s", message))["ex"]
-    mesh, rules = loop.mesh_and_rules(config.eval)
-    scorer = prm_scorer(config, out / "prm", mesh, rules)
+    mesh, rules = loop.mesh_and_rules(settings.eval)
+    scorer = prm_scorer(settings, out / "prm", mesh, rules)
     with jax.set_mesh(mesh):
-        summary = verifier.rerank(scorer, view, "dev", pool, aggregate="min", semantics=config.verify.semantics,
+        summary = verifier.rerank(scorer, view, "dev", pool, aggregate="min", semantics=settings.verify.semantics,
                                 output=out / "verify_choices.jsonl", report=lambda message: log.info("%s", message))
     return {"alone": alone, "pool": summary}
 
@@ -232,7 +224,7 @@ def verify_systems(config: ConfigDict, view: pathlib.Path, candidates: list[dict
 # -- results
 
 
-def collect(config: ConfigDict, out: pathlib.Path) -> dict:
+def collect(settings: SpiderVerifierSettings, out: pathlib.Path) -> dict:
     """results.json's content from the stages' own results files."""
     prm = json.loads((out / "prm" / "results.json").read_text())
     localization = prm.get("localization", {})
@@ -253,7 +245,7 @@ def collect(config: ConfigDict, out: pathlib.Path) -> dict:
         "rerank_pick": pick,
         "oracle": pool["any"],
         "rerank_minus_mv": rerank_minus_vote(out / "verify_choices.jsonl"),
-        "k": len(config.data.systems),
+        "k": len(settings.data.systems),
         "pair_accuracy": prm["metrics"].get("eval/pair_accuracy"),
         "n_train_tuples_file": str(out / "prm" / "tuples"),
     }

@@ -28,7 +28,9 @@ MARGIN_WEIGHTS = ("linear", "none")
 class PairLossConfig:
     form: str = "weighted"
     margin_weight: str = "linear"
-    alpha: float = 1.0          # the annotator's root-cause penalty; delta / alpha is in (0, 1]
+    # The annotator's root-cause penalty (configs' annotate.alpha), read here as the weight scale: delta / alpha
+    # is in (0, 1]. One setting drives both, so the loss names it for where it comes from.
+    annotation_alpha: float = 1.0
     offset_scale: float = 1.0
     center_coef: float = 0.0
 
@@ -37,8 +39,8 @@ class PairLossConfig:
             raise ValueError(f"loss form {self.form!r} not in {LOSS_FORMS}")
         if self.margin_weight not in MARGIN_WEIGHTS:
             raise ValueError(f"margin_weight {self.margin_weight!r} not in {MARGIN_WEIGHTS}")
-        if self.alpha <= 0:
-            raise ValueError(f"alpha must be > 0, got {self.alpha}")
+        if self.annotation_alpha <= 0:
+            raise ValueError(f"alpha must be > 0, got {self.annotation_alpha}")
 
 
 def pairwise_loss(
@@ -65,7 +67,7 @@ def pairwise_loss(
     if cfg.form == "weighted":
         per_row = -jax.nn.log_sigmoid(gap)
         if cfg.margin_weight == "linear":
-            per_row = per_row * (margin / cfg.alpha)
+            per_row = per_row * (margin / cfg.annotation_alpha)
     else:
         per_row = -jax.nn.log_sigmoid(gap - cfg.offset_scale * margin)
     n = jnp.maximum(weight.sum(), 1.0)

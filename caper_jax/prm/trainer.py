@@ -32,9 +32,12 @@ from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
 from caper_jax.prm import heldout
 from caper_jax.prm.export import export_prm_to_hf, load_prm_backbone
-from caper_jax.prm.loss import LmAuxConfig, PairLossConfig
+from caper_jax.prm.loss import LmAuxConfig
 from caper_jax.prm.model import ClausePRM, backbone_config
 from caper_jax.prm import step as step_lib
+from caper_jax.prm.settings import PrmSettings
+from caper_jax.sections import check_devices, check_world
+from caper_jax.settings import from_config
 from caper_jax.utils import optim as optim_lib
 from caper_jax.utils import summary as summary_lib
 from caper_jax.sql.tuples import TUPLE_FORMAT, AnnotationSettings
@@ -43,35 +46,17 @@ from caper_jax.utils.errors import CheckpointError
 log = logging.getLogger("caper_jax")
 
 
-def loss_config(config) -> PairLossConfig:
-    return PairLossConfig(form=config.loss.form, margin_weight=config.loss.margin_weight,
-                          alpha=config.annotate.alpha, offset_scale=config.loss.offset_scale,
-                          center_coef=config.loss.center_coef)
-
-
-def lm_config(config, tokenizer=None) -> LmAuxConfig:
+def lm_config(settings: PrmSettings, tokenizer=None) -> LmAuxConfig:
     """The auxiliary SQL language-modelling term; the SQL follows the prompt's last <|im_start|>.
 
-    Without a tokenizer (config validation, the dry run) the marker is token 0: same program, same cost.
+    Without a tokenizer (the dry run) the marker is token 0: same program, same cost.
     """
     marker = -1
-    if config.loss.lm_coef:
+    if settings.loss.lm_coef:
         marker = 0 if tokenizer is None else tokenizer.convert_tokens_to_ids("<|im_start|>")
         if marker is None or (tokenizer is not None and marker == tokenizer.unk_token_id):
             raise ValueError("loss.lm_coef > 0 needs a tokenizer with the <|im_start|> token the prompt uses")
-    return LmAuxConfig(coef=config.loss.lm_coef, marker_id=marker)
-
-
-def annotation_settings(config) -> AnnotationSettings:
-    a = config.annotate
-    semantics = a.get("semantics", "spider")
-    if semantics not in ("spider", "bird"):
-        raise ValueError(f"annotate.semantics={semantics!r}; expected 'spider' or 'bird'")
-    return AnnotationSettings(alpha=a.alpha, sigma=a.sigma, margin_floor=a.margin_floor,
-                              per_query=a.per_query, compound=a.compound, site_balance=a.site_balance,
-                              max_vm_steps=a.max_vm_steps, timeout_s=a.timeout_s, semantics=semantics,
-                              within_trajectory=a.within_trajectory, seed=config.seed,
-                              suspect_tuples=a.get("suspect_tuples", False))
+    return LmAuxConfig(coef=settings.loss.lm_coef, marker_id=marker)
 
 
 def annotate_split(world: DataWorld, split: str, settings: AnnotationSettings, cache_dir: pathlib.Path
@@ -107,34 +92,35 @@ def annotate_split(world: DataWorld, split: str, settings: AnnotationSettings, c
     return path
 
 
-def validate(config) -> None:
-    """Every config value checked before any data, model or compilation work starts."""
-    loop.check_config(config, positive=("log_every", "eval_every", "ckpt_every"))
-    loss_config(config)            # form / margin_weight / alpha
-    lm_config(config)              # lm_coef >= 0
-    annotation_settings(config)    # alpha, sigma, floor, per_query, compound
-    if config.data.batch_size < 1 or config.data.eval_batch_size < 1:
-        # Caught here, not after minutes of annotation.
-        raise ValueError(f"data.batch_size={config.data.batch_size} and data.eval_batch_size="
-                         f"{config.data.eval_batch_size} must be >= 1")
-    if config.data.within_batch_size < 0 or config.data.within_batch_size % jax.process_count():
-        raise ValueError(f"data.within_batch_size={config.data.within_batch_size} must be >= 0 and a "
+def validate(config) -> PrmSettings:
+    """The config built into ``PrmSettings`` (every value checked there), then ``check_job``; before any data,
+    annotation or model work."""
+    settings = from_config(PrmSettings, config)
+    check_job(settings)
+    return settings
+
+
+def check_job(settings: PrmSettings) -> None:
+    """What the settings alone cannot say: the world's folder and tokenizer are named, the mesh fits the
+    devices, the within-trajectory groups split over the processes, the ``model.init_from`` run fits."""
+    check_world(settings.data, settings.model)
+    check_devices(settings)
+    if settings.data.within_batch_size % jax.process_count():
+        raise ValueError(f"data.within_batch_size={settings.data.within_batch_size} must be >= 0 and a "
                          f"multiple of the process count {jax.process_count()}")
-    if config.data.counterfactual_repeat < 1:
-        raise ValueError(f"data.counterfactual_repeat={config.data.counterfactual_repeat} must be >= 1")
-    if config.model.get("init_from"):
-        check_init_from(config)
+    if settings.model.init_from:
+        check_init_from(settings)
 
 
-def check_init_from(config, run: runs.RunInfo | None = None, vocab_size: int | None = None) -> None:
+def check_init_from(settings: PrmSettings, run: runs.RunInfo | None = None, vocab_size: int | None = None) -> None:
     """The run named by ``model.init_from`` exists and fits this PRM: one clear ``CheckpointError``.
 
     ``validate`` calls it before any data, annotation or training work, and it reads the run's
     description here; ``build_model`` passes the ``run`` it loaded and the tokenizer's length ``vocab_size``.
     """
-    source = config.model.init_from
-    if config.model.hf_dir:
-        raise CheckpointError(f"model.init_from={source!r} and model.hf_dir={config.model.hf_dir!r}: set one")
+    source = settings.model.init_from
+    if settings.model.hf_dir:
+        raise CheckpointError(f"model.init_from={source!r} and model.hf_dir={settings.model.hf_dir!r}: set one")
     if run is None:
         try:
             run = runs.read_run(source, trainers=runs.POLICY_TRAINERS)
@@ -143,7 +129,7 @@ def check_init_from(config, run: runs.RunInfo | None = None, vocab_size: int | N
     # The run's architecture is its record, which build_model builds whatever the presets say (a GRPO
     # run's config keeps an unused default preset when its SFT run came from HF weights).
     expected = {"param_dtype": run.model_config.param_dtype}
-    mismatched = {k: (v, config.model[k]) for k, v in expected.items() if v != config.model[k]}
+    mismatched = {k: (v, getattr(settings.model, k)) for k, v in expected.items() if v != getattr(settings.model, k)}
     if mismatched:
         raise CheckpointError(f"model.init_from={source!r}: the run's model differs from this PRM's "
                               f"(stored, here): {mismatched}")
@@ -151,77 +137,78 @@ def check_init_from(config, run: runs.RunInfo | None = None, vocab_size: int | N
         runs.check_vocab(f"model.init_from={source!r}", run.model_config.vocab_size, vocab_size)
 
 
-def build_model(config, vocab_size: int, mesh, rules) -> ClausePRM:
+def build_model(settings: PrmSettings, vocab_size: int, mesh, rules) -> ClausePRM:
     """A ClausePRM created directly in its sharded layout: random init, HF weights, or (``model.init_from``)
     the backbone of an SFT/GRPO run — the policy as the stand-in for pretraining; the score head is new."""
-    runtime = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, remat=config.model.remat)
-    if config.model.get("init_from"):
+    runtime = dict(dtype=settings.model.dtype, param_dtype=settings.model.param_dtype, remat=settings.model.remat)
+    if settings.model.init_from:
         # The newest whole checkpoint's params, read onto their shardings.
         try:
-            run = runs.load_run(config.model.init_from, module=Qwen35ForCausalLM, mesh=mesh, rules=rules,
-                                trainers=runs.POLICY_TRAINERS, dtype=config.model.dtype)
+            run = runs.load_run(settings.model.init_from, module=Qwen35ForCausalLM, mesh=mesh, rules=rules,
+                                trainers=runs.POLICY_TRAINERS, dtype=settings.model.dtype)
         except CheckpointError as error:
-            raise CheckpointError(f"model.init_from={config.model.init_from!r}: {error}") from error
-        check_init_from(config, run, vocab_size)
+            raise CheckpointError(f"model.init_from={settings.model.init_from!r}: {error}") from error
+        check_init_from(settings, run, vocab_size)
         backbone = run.model
         if not backbone.config.tie_word_embeddings:
             del backbone.lm_head   # the PRM reads no vocabulary logits (as load_prm_backbone)
-        arch = backbone.config.replace(remat=config.model.remat)
+        arch = backbone.config.replace(remat=settings.model.remat)
         backbone.config = backbone_config(arch)
-        return ClausePRM(arch, rngs=nnx.Rngs(config.seed), backbone=backbone)
-    if config.model.hf_dir:
-        return load_prm_backbone(config.model.hf_dir, mesh, rules, seed=config.seed, **runtime)
-    model_config = model_preset(config.model.preset, vocab_size=vocab_size, **runtime)
+        return ClausePRM(arch, rngs=nnx.Rngs(settings.seed), backbone=backbone)
+    if settings.model.hf_dir:
+        return load_prm_backbone(settings.model.hf_dir, mesh, rules, seed=settings.seed, **runtime)
+    model_config = model_preset(settings.model.preset, vocab_size=vocab_size, **runtime)
     # mesh/rules reach the model's activation constraints; without them GSPMD replicated the
     # activations (measured: per-device temp of the 8-way step 3574 MiB vs 549 MiB with them).
     return rules_lib.create_sharded(
-        lambda: ClausePRM(model_config, rngs=nnx.Rngs(config.seed), mesh=mesh, rules=rules), mesh, rules)
+        lambda: ClausePRM(model_config, rngs=nnx.Rngs(settings.seed), mesh=mesh, rules=rules), mesh, rules)
 
 
-def write_outputs(config, workdir: pathlib.Path, results: dict, model: ClausePRM, tokenizer, *, main: bool) -> None:
+def write_outputs(settings: PrmSettings, workdir: pathlib.Path, results: dict, model: ClausePRM, tokenizer, *,
+                  main: bool) -> None:
     """The HF export (``export_hf``, every process), then the report (process 0). The report's
     results.json comes last: it marks the run done (``caper_jax.experiments.stages.completion``), so a run stopped
     during the export is not taken for a finished one."""
-    if config.export_hf:
+    if settings.export_hf:
         export_prm_to_hf(model, workdir / "hf_export", tokenizer)
     if main:
         heldout.write_report(results, workdir)
 
 
-def run(config, workdir: str) -> dict:
-    run = loop.TrainingRun.start(config, workdir)
+def run(settings: PrmSettings, workdir: str) -> dict:
+    run = loop.TrainingRun.start(settings, workdir)
     workdir = run.workdir
 
     # Data: the world (demo or Spider layout), its tokenizer, and annotated tuples. Process 0
     # builds them; the others then reuse its files (shared workdir) or build their own (local disk).
-    settings = annotation_settings(config)
+    annotation = settings.annotation
     with multihost.main_process_first("prepare data"):
-        world = prepare_world(config, workdir)
-        train_path = annotate_split(world, config.data.train_split, settings, workdir / "tuples")
-        if config.annotate.get("candidate_contrasts"):  # right vs wrong sample of a question (candidate_contrasts)
-            train_path = with_candidate_contrasts(world.dir, world.database_dir, config.data.train_split,
-                                                           settings, train_path)
-        eval_path = annotate_split(world, config.data.eval_split, settings, workdir / "tuples")
+        world = prepare_world(settings, workdir)
+        train_path = annotate_split(world, settings.data.train_split, annotation, workdir / "tuples")
+        if settings.annotate.candidate_contrasts:  # right vs wrong sample of a question (candidate_contrasts)
+            train_path = with_candidate_contrasts(world.dir, world.database_dir, settings.data.train_split,
+                                                  annotation, train_path)
+        eval_path = annotate_split(world, settings.data.eval_split, annotation, workdir / "tuples")
     tokenizer = world.tokenizer
 
     # Model, optimizer and state, created sharded over the mesh.
     mesh, rules = run.use_mesh()
-    model = build_model(config, len(tokenizer), mesh, rules)
-    tx = optim_lib.make_optimizer(config.optim)
+    model = build_model(settings, len(tokenizer), mesh, rules)
+    tx = optim_lib.make_optimizer(settings.optim)
     graphdef, state, state_sharding = loop.create_state(model, tx, mesh, rules)
     run_record = runs.record(model.config, world.tokenizer_dir)   # saved with every checkpoint
     del model
-    train_step, eval_scores, clause_scores = step_lib.jit_steps(graphdef, tx, loss_config(config), state_sharding,
-                                                              lm_config(config, tokenizer))
+    train_step, eval_scores, clause_scores = step_lib.jit_steps(graphdef, tx, settings.pair_loss, state_sharding,
+                                                              lm_config(settings, tokenizer))
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     multihost.log_main("Clause-PRM: %s parameters on mesh %s", f"{n_params:,}", dict(mesh.shape))
 
     # Input pipeline: this host's rows of every global batch, repeated over epochs.
     pipeline = prm_pipeline(
-        JsonlSource(train_path), tokenizer, global_batch_size=config.data.batch_size,
-        max_len=config.data.max_len, bucket_lengths=config.data.bucket_lengths, seed=config.seed,
+        JsonlSource(train_path), tokenizer, global_batch_size=settings.data.batch_size,
+        max_len=settings.data.max_len, bucket_lengths=settings.data.bucket_lengths, seed=settings.seed,
         num_epochs=None, process_index=jax.process_index(), process_count=jax.process_count(),
-        within_batch_size=config.data.within_batch_size, counterfactual_repeat=config.data.counterfactual_repeat)
+        within_batch_size=settings.data.within_batch_size, counterfactual_repeat=settings.data.counterfactual_repeat)
     data_iter = pipeline.iterator()
     multihost.log_main("training tuples: %d (%d within-trajectory groups; %d steps per epoch)",
                        pipeline.num_records, pipeline.num_groups, pipeline.steps_per_epoch)
@@ -235,42 +222,42 @@ def run(config, workdir: str) -> dict:
             {k: v for k, v in host_batch.items() if k != "record_index"}, mesh, rules)
         return train_step(state, batch)
 
-    evaluator = heldout.PrmEvaluator(world, tokenizer, eval_path, config, mesh, rules)
+    evaluator = heldout.PrmEvaluator(world, tokenizer, eval_path, settings, mesh, rules)
     state = run.train(state, step, log_line=lambda s: f"  loss {s['train/loss']:.4f}  acc {s['train/accuracy']:.3f}",
                       evaluate=lambda state: evaluator.pairwise(state.params, eval_scores),
-                      eval_every=config.eval_every)
+                      eval_every=settings.eval_every)
     with jax.set_mesh(mesh):
         results = evaluator.full(state.params, eval_scores, clause_scores)
     run.finish(results["metrics"], curves=["train/loss", "train/accuracy", "eval/pair_accuracy", "eval/loss"],
                png="loss_curve.png", title="Clause-PRM training")
-    write_outputs(config, workdir, results, nnx.merge(graphdef, state.params), tokenizer, main=run.main)
-    summary_lib.prm_run(results, workdir, run.elapsed(), export=config.export_hf)
+    write_outputs(settings, workdir, results, nnx.merge(graphdef, state.params), tokenizer, main=run.main)
+    summary_lib.prm_run(results, workdir, run.elapsed(), export=settings.export_hf)
     return results
 
 
-def dry_run(config) -> dict:
+def dry_run(settings: PrmSettings) -> dict:
     """Lower + compile the train step on abstract shapes for the current devices; no weights."""
-    b, length = config.data.batch_size, config.data.max_len
+    b, length = settings.data.batch_size, settings.data.max_len
 
     def batch(struct):
         ids, vec = struct((b, length), jnp.int32), lambda dt: struct((b,), dt)
         batch = {"chosen_ids": ids, "chosen_mask": ids, "chosen_pos": vec(jnp.int32), "rejected_ids": ids,
                  "rejected_mask": ids, "rejected_pos": vec(jnp.int32), "margin": vec(jnp.float32),
                  "weight": vec(jnp.float32), "lm_weight": vec(jnp.float32), "clause_id": vec(jnp.int32)}
-        if config.data.within_batch_size:  # group rows, with the narrowest slot width the pipeline makes
-            g, slots = config.data.within_batch_size, GROUP_SLOT_MULTIPLE
+        if settings.data.within_batch_size:  # group rows, with the narrowest slot width the pipeline makes
+            g, slots = settings.data.within_batch_size, GROUP_SLOT_MULTIPLE
             batch |= {"group_ids": struct((g, length), jnp.int32), "group_mask": struct((g, length), jnp.int32),
                       "group_pos": struct((g, slots), jnp.int32), "group_margin": struct((g, slots), jnp.float32),
                       "group_weight": struct((g,), jnp.float32)}
         return batch
 
     def train_step(graphdef, tx):
-        return step_lib.jit_steps(graphdef, tx, loss_config(config), lm_cfg=lm_config(config))[0]
+        return step_lib.jit_steps(graphdef, tx, settings.pair_loss, lm_cfg=lm_config(settings))[0]
 
-    groups = f" + {config.data.within_batch_size} within-trajectory groups" if config.data.within_batch_size else ""
-    vocab = loop.dry_run_architecture(config).vocab_size
+    groups = f" + {settings.data.within_batch_size} within-trajectory groups" if settings.data.within_batch_size else ""
+    vocab = loop.dry_run_architecture(settings).vocab_size
     return loop.dry_run(
-        config, ClausePRM, train_step, batch,
-        f"Clause-PRM train step: preset {config.model.preset} (vocabulary {vocab}, the preset's: a run uses its "
-        f"tokenizer's), global batch {b} pairs{groups} x {length} tokens, remat {config.model.remat}, "
-        f"params {config.model.param_dtype}, compute {config.model.dtype}")
+        settings, ClausePRM, train_step, batch,
+        f"Clause-PRM train step: preset {settings.model.preset} (vocabulary {vocab}, the preset's: a run uses its "
+        f"tokenizer's), global batch {b} pairs{groups} x {length} tokens, remat {settings.model.remat}, "
+        f"params {settings.model.param_dtype}, compute {settings.model.dtype}")

@@ -12,7 +12,7 @@ One step of ``caper_jax.rl.trainer.run`` runs these device programs (``caper_jax
   5. ``update``    ``jit_update``: forward + backward + AdamW on one minibatch, state donated; it runs
                    ``update_epochs × num_minibatches`` times per step.
 
-Placement is the real run's: the same jitted functions, params sharded by the config's rules,
+Placement is the real run's: the same jitted functions, params sharded by the settings' rules,
 prompts replicated (the trainer hands the sampler host arrays), caches as the compiled prefill lays
 them out, the scoring / update batches split over ``data × fsdp`` (``multihost.replicated_batch`` in the trainer).
 
@@ -23,7 +23,7 @@ the policy's optimizer state (the update holds it as an argument; the sampler do
 (``frozen_params``: matmul weights in the compute dtype). Rollout arrays carried between programs
 (tokens, masks, log-probs, advantages: a few MB) are left out.
 
-``plan(config, mesh)`` compiles the five programs once and returns their figures; ``fit`` extrapolates
+``plan(settings, mesh)`` compiles the five programs once and returns their figures; ``fit`` extrapolates
 a program's memory linearly in rows per device between two compiled batch sizes. ``programs_compiled``
 counts the distinct programs a whole run compiles: one of each per prompt width a step meets
 (``sampling.prompt_widths``), and the update once more per width for the steps that do not log.
@@ -47,7 +47,6 @@ from caper_jax.parallel import rules as rules_lib
 from caper_jax.parallel.dry_run import GiB, device_bytes, report
 from caper_jax.prm.model import ClausePRM
 from caper_jax.rl import step as rl_step
-from caper_jax.rl.rewards import reward_variant
 from caper_jax.rl.trainer import is_logging_step, prompt_iterator
 from caper_jax.utils.optim import init_state, make_optimizer
 
@@ -81,26 +80,26 @@ def _with_shardings(structs: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), structs, shardings)
 
 
-def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print,
+def plan(settings, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print,
          update_entropy: bool = True) -> dict[str, Any]:
-    """Compiles the GRPO step's programs for ``config`` (configs/grpo.py) on ``mesh``; no weights.
+    """Compiles the GRPO step's programs for ``settings`` (``GrpoSettings``) on ``mesh``; no weights.
     ``update_entropy``: the update of a logging step (with the policy's entropy) or of the others.
 
     Returns ``{"programs": {name: ProgramFigures}, "persistent": {name: bytes per device}, "config": ...}``.
     """
-    rules = tuple(tuple(r) for r in config.sharding_rules)
-    arch = dry_run_architecture(config)
-    tx = make_optimizer(config.optim, rl_step.updates_per_step(config))
+    rules = settings.sharding_rules
+    arch = dry_run_architecture(settings)
+    tx = make_optimizer(settings.optim, rl_step.updates_per_step(settings))
     graphdef, state = rules_lib.abstract_train_state(
         lambda: Qwen35ForCausalLM(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules),
         lambda p: init_state(p, tx), mesh, rules)
     state_sharding = jax.tree.map(lambda x: x.sharding, state)
-    use_ref = config.rl.beta > 0
-    use_prm = reward_variant(config.reward.variant).uses_prm
+    use_ref = settings.rl.beta > 0
+    use_prm = settings.reward.uses_prm
     prm_graphdef = prm_params = None
     if use_prm:  # load_prm builds the PRM run's recorded architecture, which a dry run (reading no run)
         # takes to be the policy's preset; this run's compute dtype, no remat, held as load_prm holds it
-        prm_arch = dry_run_architecture(config, remat="none")
+        prm_arch = dry_run_architecture(settings, remat="none")
         prm_graphdef, prm_params = rules_lib.abstract_state(
             lambda: ClausePRM(prm_arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), mesh, rules)
         prm_params = frozen_params(prm_params, arch.dtype, reads_head=False, tied=True)
@@ -113,14 +112,14 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print,
         "prm_params": device_bytes(prm_params) if use_prm else 0,
     }
 
-    group, prompts = config.rl.group_size, config.rl.prompts_per_step
+    group, prompts = settings.rl.group_size, settings.rl.prompts_per_step
     rows = prompts * group
-    prompt_len, new = config.sampling.max_prompt_len, config.sampling.max_new_tokens
+    prompt_len, new = settings.sampling.max_prompt_len, settings.sampling.max_new_tokens
     full = prompt_len + new
-    minibatch = rows // config.rl.num_minibatches
+    minibatch = rows // settings.rl.num_minibatches
     # The accelerator's decode program: scanned layers read in place, no per-group weight copies (the
     # simulated devices here are CPUs, whose default would add them).
-    sampling = SamplingConfig(new, config.sampling.temperature, config.sampling.top_k, config.sampling.top_p,
+    sampling = SamplingConfig(new, settings.sampling.temperature, settings.sampling.top_k, settings.sampling.top_p,
                               stop_tokens=(0,), pad_id=0, copy_layer_weights=False)
     figures: dict[str, ProgramFigures] = {}
 
@@ -156,8 +155,8 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print,
     if "reference" in programs and use_ref:
         run("reference", rl_step.jit_completion_logprobs, (ref_params, ids, ids), uses=("reference_params",),
             tokens=rows * full, n_rows=rows,
-            static={"graphdef": graphdef, "completion_len": new, "temperature": float(config.sampling.temperature),
-                    "chunk_size": config.chunk_size})
+            static={"graphdef": graphdef, "completion_len": new, "temperature": float(settings.sampling.temperature),
+                    "chunk_size": settings.chunk_size})
     if "update" in programs:
         mb = {"input_ids": _split(mesh, rules, (minibatch, full), jnp.int32),
               "attention_mask": _split(mesh, rules, (minibatch, full), jnp.int32),
@@ -166,22 +165,22 @@ def plan(config, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print,
               "advantages": _split(mesh, rules, (minibatch, new), jnp.float32)}
         if use_ref:
             mb["ref_logp"] = _split(mesh, rules, (minibatch, new), jnp.float32)
-        run("update", rl_step.jit_update(graphdef, tx, config, state_sharding, with_entropy=update_entropy),
+        run("update", rl_step.jit_update(graphdef, tx, settings, state_sharding, with_entropy=update_entropy),
             (state, mb),
             uses=("policy_params", "optimizer_state"), tokens=minibatch * full, n_rows=minibatch,
-            calls=config.rl.update_epochs * config.rl.num_minibatches)
+            calls=settings.rl.update_epochs * settings.rl.num_minibatches)
     return {"programs": figures, "persistent": persistent, "devices": mesh.size, "mesh": dict(mesh.shape),
             "rows": rows, "minibatch_rows": minibatch, "prompt_len": prompt_len, "new_tokens": new,
             "params": sum(x.size for x in jax.tree.leaves(state.params))}
 
 
-def widths_over_run(lengths, config, width_of) -> list[int]:
+def widths_over_run(lengths, settings, width_of) -> list[int]:
     """The prompt width of every step of a run of ``config`` (``optim.total_steps`` steps of
     ``rl.prompts_per_step`` prompts drawn as the trainer draws them) whose prompts have ``lengths``
     tokens: ``width_of(longest prompt of the step, cut to max_prompt_len)``."""
-    cap = config.sampling.max_prompt_len
-    draws = prompt_iterator(len(lengths), config.rl.prompts_per_step, config.seed)
-    return [width_of(min(cap, max(int(lengths[i]) for i in next(draws)))) for _ in range(config.optim.total_steps)]
+    cap = settings.sampling.max_prompt_len
+    draws = prompt_iterator(len(lengths), settings.rl.prompts_per_step, settings.seed)
+    return [width_of(min(cap, max(int(lengths[i]) for i in next(draws)))) for _ in range(settings.optim.total_steps)]
 
 
 def rounded_width(multiple: int, max_prompt_len: int):
@@ -190,17 +189,17 @@ def rounded_width(multiple: int, max_prompt_len: int):
     return lambda longest: min(max_prompt_len, -(-longest // multiple) * multiple)
 
 
-def programs_compiled(widths: list[int], config, *, entropy_every_step: bool = False) -> dict[str, int]:
+def programs_compiled(widths: list[int], settings, *, entropy_every_step: bool = False) -> dict[str, int]:
     """Distinct device programs a run compiles, per kind, given each step's prompt width: the sampler's
     prefill and decode, the PRM and the reference once per width; the update once per width and
     entropy variant (logging steps compute the entropy, the others do not; ``entropy_every_step``: every
     update computed it, as before ``is_logging_step``)."""
     per_width = len(set(widths))
-    variants = {(w, True if entropy_every_step else is_logging_step(config, step))
+    variants = {(w, True if entropy_every_step else is_logging_step(settings, step))
                 for step, w in enumerate(widths, start=1)}
     return {"prefill": per_width, "decode": per_width,
-            "prm": per_width if reward_variant(config.reward.variant).uses_prm else 0,
-            "reference": per_width if config.rl.beta > 0 else 0, "update": len(variants)}
+            "prm": per_width if settings.reward.uses_prm else 0,
+            "reference": per_width if settings.rl.beta > 0 else 0, "update": len(variants)}
 
 
 def fit(small: dict[str, Any], large: dict[str, Any], name: str) -> tuple[float, float]:

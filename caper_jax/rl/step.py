@@ -21,10 +21,10 @@ from caper_jax.rl.rewards import layout_rewards
 from caper_jax.utils.optim import TrainState, guarded_update
 
 
-def updates_per_step(config) -> int:
+def updates_per_step(settings) -> int:
     """Optimizer updates per GRPO step, ``update_step`` once per minibatch of every epoch over the step's
     rollouts: what ``make_optimizer`` needs so that its schedule counts steps, not updates."""
-    return config.rl.update_epochs * config.rl.num_minibatches
+    return settings.rl.update_epochs * settings.rl.num_minibatches
 
 
 def update_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientTransformation, beta: float,
@@ -51,15 +51,17 @@ def update_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientT
     return new_state, {**guard, **metrics}
 
 
-def jit_update(graphdef, tx, config, state_sharding=None, *, with_entropy: bool = True):
-    """The jitted update for ``config`` (state donated), cached per process (``loop.jit_state_step``);
-    ``with_entropy`` as ``update_step``'s (the trainer holds both: logging steps and the others)."""
+def jit_update(graphdef, tx, settings, state_sharding=None, *, with_entropy: bool = True):
+    """The jitted update for ``settings`` (``GrpoSettings``; state donated), cached per process
+    (``loop.jit_state_step``); ``with_entropy`` as ``update_step``'s (the trainer holds both: logging steps
+    and the others)."""
     update = functools.partial(
-        update_step, graphdef=graphdef, tx=tx, beta=float(config.rl.beta), agg=config.rl.agg,
-        eps_low=float(config.rl.eps_low), eps_high=float(config.rl.eps_high),
-        temperature=float(config.sampling.temperature), chunk_size=config.chunk_size, with_entropy=with_entropy)
-    key = ("grpo", graphdef, loop.frozen(config.optim), loop.frozen(config.rl), float(config.sampling.temperature),
-           int(config.chunk_size), bool(with_entropy))
+        update_step, graphdef=graphdef, tx=tx, beta=settings.rl.beta, agg=settings.rl.agg,
+        eps_low=settings.rl.eps_low, eps_high=settings.rl.eps_high,
+        temperature=settings.sampling.temperature, chunk_size=settings.chunk_size, with_entropy=with_entropy)
+    # The frozen optim and rl sections are the key: everything tx and the update were made from.
+    key = ("grpo", graphdef, settings.optim, settings.rl, settings.sampling.temperature, settings.chunk_size,
+           with_entropy)
     return loop.jit_state_step(update, key, state_sharding)
 
 

@@ -40,10 +40,11 @@ from caper_jax.policy.build import build_policy
 from caper_jax.policy.prompts import check_prompt_widths, prompt_batch, stop_token_id
 from caper_jax.prm.model import ClausePRM
 from caper_jax.utils.optim import make_optimizer
-from caper_jax.rl.losses import AGGREGATIONS
-from caper_jax.rl.rewards import reward_variant
+from caper_jax.rl.settings import GrpoSettings
 from caper_jax.rl.step import (advantages_from_rewards, jit_completion_logprobs, jit_update, prm_token_scores,
                                updates_per_step)
+from caper_jax.sections import check_devices, check_world
+from caper_jax.settings import from_config
 from caper_jax.sft import data as data_lib
 from caper_jax.sql.contract import policy_prompt
 from caper_jax.sql.execution import Executors
@@ -55,49 +56,49 @@ log = logging.getLogger("caper_jax")
 # -- the starting policy and the frozen PRM (other runs, read by caper_jax.runs.load_run)
 
 
-def load_policy(config, vocab_size: int, mesh, rules):
+def load_policy(settings: GrpoSettings, vocab_size: int, mesh, rules):
     """The starting policy: an SFT run's (or converted HF model's) checkpoint, an HF directory or a
     random preset; in this run's dtypes and remat."""
-    if config.policy.sft_workdir:
-        run = runs.load_run(config.policy.sft_workdir, module=Qwen35ForCausalLM, mesh=mesh, rules=rules,
-                            step=config.policy.ckpt, trainers=runs.POLICY_TRAINERS, dtype=config.model.dtype,
-                            param_dtype=config.model.param_dtype, remat=config.model.remat)
+    if settings.policy.sft_workdir:
+        run = runs.load_run(settings.policy.sft_workdir, module=Qwen35ForCausalLM, mesh=mesh, rules=rules,
+                            step=settings.policy.ckpt, trainers=runs.POLICY_TRAINERS, dtype=settings.model.dtype,
+                            param_dtype=settings.model.param_dtype, remat=settings.model.remat)
         policy = run.model
-        multihost.log_main("policy: %s step %d", config.policy.sft_workdir, run.step)
+        multihost.log_main("policy: %s step %d", settings.policy.sft_workdir, run.step)
     else:
-        policy = build_policy(config.model, vocab_size, config.seed, mesh, rules)
-        multihost.log_main("policy: %s", config.model.hf_dir or f"random {config.model.preset}")
+        policy = build_policy(settings.model, vocab_size, settings.seed, mesh, rules)
+        multihost.log_main("policy: %s", settings.model.hf_dir or f"random {settings.model.preset}")
     runs.check_vocab("policy", policy.config.vocab_size, vocab_size)
     return policy
 
 
-def check_runs(config) -> None:
+def check_runs(settings: GrpoSettings) -> None:
     """The SFT run and the PRM run this GRPO run reads exist, are whole and are of the right trainer:
-    one ``CheckpointError`` naming the config key, before any work (``validate`` cannot: the
+    one ``CheckpointError`` naming the settings key, before any work (``validate`` cannot: the
     reproduction validates its GRPO configs before their runs exist)."""
-    if config.policy.sft_workdir:
+    if settings.policy.sft_workdir:
         try:
-            runs.read_run(config.policy.sft_workdir, step=config.policy.ckpt, trainers=runs.POLICY_TRAINERS)
+            runs.read_run(settings.policy.sft_workdir, step=settings.policy.ckpt, trainers=runs.POLICY_TRAINERS)
         except runs.CheckpointError as error:
-            raise runs.CheckpointError(f"policy.sft_workdir={config.policy.sft_workdir!r}: {error}") from error
-    if reward_variant(config.reward.variant).uses_prm:
+            raise runs.CheckpointError(f"policy.sft_workdir={settings.policy.sft_workdir!r}: {error}") from error
+    if settings.reward.uses_prm:
         try:
-            runs.read_run(config.prm.workdir, step=config.prm.ckpt, trainers=("prm",))
+            runs.read_run(settings.prm.workdir, step=settings.prm.ckpt, trainers=("prm",))
         except runs.CheckpointError as error:
-            raise runs.CheckpointError(f"prm.workdir={config.prm.workdir!r}: {error}") from error
+            raise runs.CheckpointError(f"prm.workdir={settings.prm.workdir!r}: {error}") from error
 
 
-def load_prm(config, vocab_size: int, mesh, rules):
+def load_prm(settings: GrpoSettings, vocab_size: int, mesh, rules):
     """The frozen Clause-PRM of a PRM run (``prm.workdir``), computing in this run's compute dtype:
     ``(graphdef, params)`` with its matmul weights held in that dtype (``frozen_params``: the same
     scores as the stored fp32 weights, half their memory)."""
-    run = runs.load_run(config.prm.workdir, module=ClausePRM, mesh=mesh, rules=rules, step=config.prm.ckpt,
-                        trainers=("prm",), dtype=config.model.dtype)
+    run = runs.load_run(settings.prm.workdir, module=ClausePRM, mesh=mesh, rules=rules, step=settings.prm.ckpt,
+                        trainers=("prm",), dtype=settings.model.dtype)
     runs.check_vocab("PRM", run.model.config.vocab_size, vocab_size)
-    multihost.log_main("Clause-PRM: %s step %d", config.prm.workdir, run.step)
+    multihost.log_main("Clause-PRM: %s step %d", settings.prm.workdir, run.step)
     graphdef, stored = nnx.split(run.model)
     del run
-    return graphdef, frozen_params(stored, config.model.dtype, reads_head=False, tied=True)
+    return graphdef, frozen_params(stored, settings.model.dtype, reads_head=False, tied=True)
 
 
 def reference_params(params, dtype: str, *, tied: bool):
@@ -107,10 +108,10 @@ def reference_params(params, dtype: str, *, tied: bool):
     return frozen_params(params, dtype, reads_head=True, tied=tied)
 
 
-def is_logging_step(config, step: int) -> bool:
+def is_logging_step(settings: GrpoSettings, step: int) -> bool:
     """The steps whose metrics ``loop.TrainingRun.train`` logs (and the GRPO row reads): every ``log_every``-th and
     the last. Only their updates compute the policy's entropy."""
-    return step % config.log_every == 0 or step == config.optim.total_steps
+    return step % settings.log_every == 0 or step == settings.optim.total_steps
 
 
 # -- data
@@ -149,95 +150,72 @@ def _minibatches(batch: dict, count: int):
 # -- loop
 
 
-def validate(config) -> None:
-    """Every config value checked before any data, model or compilation work starts."""
-    loop.check_config(config, positive=("log_every", "ckpt_every", "chunk_size"))
-    try:
-        variant = reward_variant(config.reward.variant)
-    except ValueError as error:
-        raise ValueError(f"reward.variant: {error}") from None
-    if variant.uses_prm and not config.prm.workdir:
-        raise ValueError(f"reward.variant={config.reward.variant!r} needs prm.workdir (a PRM trainer workdir)")
-    if config.policy.sft_workdir and config.model.hf_dir:
-        raise ValueError("set at most one of policy.sft_workdir and model.hf_dir (the starting policy)")
-    if config.rl.agg not in AGGREGATIONS:
-        raise ValueError(f"rl.agg={config.rl.agg!r}; expected one of {AGGREGATIONS}")
-    if config.rl.group_size < 2:
-        raise ValueError(f"rl.group_size={config.rl.group_size} must be >= 2 (advantages are group-relative)")
-    rows = config.rl.prompts_per_step * config.rl.group_size
-    if config.rl.prompts_per_step < 1 or rows % config.rl.num_minibatches:
-        raise ValueError(f"prompts_per_step x group_size = {rows} rollouts must split into "
-                         f"rl.num_minibatches={config.rl.num_minibatches} equal minibatches")
-    if config.rl.update_epochs < 1 or config.rl.beta < 0 or not 0 <= config.rl.eps_low < 1 or config.rl.eps_high < 0:
-        raise ValueError("need rl.update_epochs >= 1, rl.beta >= 0, 0 <= rl.eps_low < 1, rl.eps_high >= 0")
-    if not 0 < config.rl.gamma <= 1:
-        raise ValueError(f"rl.gamma={config.rl.gamma} must be in (0, 1]")
-    if config.sampling.temperature <= 0:
-        raise ValueError("sampling.temperature must be > 0 for GRPO (greedy samples give no group signal)")
-    SamplingConfig(config.sampling.max_new_tokens, config.sampling.temperature, config.sampling.top_k,
-                   config.sampling.top_p)
-    if config.reward.semantics not in ("spider", "bird"):
-        raise ValueError(f"reward.semantics={config.reward.semantics!r}; expected spider or bird")
-    check_prompt_widths(config.sampling.prompt_widths, config.sampling.max_prompt_len)
-    if config.data.schema_values and variant.uses_prm:
-        # The PRM scores the policy's prompt + SQL as it was trained: on tuples, whose schema text never
-        # lists values (the annotator serialises schemas with 0). Another schema text is off its data.
-        raise ValueError(f"data.schema_values={config.data.schema_values} with reward.variant="
-                         f"{config.reward.variant!r}: the Clause-PRM was trained on schemas without values "
-                         f"(its tuples always use 0); set data.schema_values=0 or use reward.variant=sparse")
+def validate(config) -> GrpoSettings:
+    """The config built into ``GrpoSettings`` (every value checked there), then ``check_job``; before any
+    data, model or compilation work. The runs it reads are checked when it starts (``check_runs``)."""
+    settings = from_config(GrpoSettings, config)
+    check_job(settings)
+    return settings
 
 
-def reward_config(config) -> rollout_lib.RewardConfig:
-    r = config.reward
+def check_job(settings: GrpoSettings) -> None:
+    """What the settings alone cannot say: the world's folder and tokenizer are named, the mesh fits the devices."""
+    check_world(settings.data, settings.model)
+    check_devices(settings)
+
+
+def reward_config(settings: GrpoSettings) -> rollout_lib.RewardConfig:
+    r = settings.reward
     return rollout_lib.RewardConfig(correct_reward=r.correct, wrong_reward=r.wrong, failure_reward=r.failure,
                                     semantics=r.semantics)
 
 
-def run(config, workdir: str) -> dict:
+def run(settings: GrpoSettings, workdir: str) -> dict:
 
-    check_runs(config)   # before the workdir and the world are made
-    run = loop.TrainingRun.start(config, workdir)
-    world = prepare_world(config, run.workdir)
+    check_runs(settings)   # before the workdir and the world are made
+    run = loop.TrainingRun.start(settings, workdir)
+    world = prepare_world(settings, run.workdir)
     tokenizer = world.tokenizer
     stop_tokens = tuple(sorted({stop_token_id(tokenizer)} |
                                ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())))
     pad_id = resolve_pad_id(tokenizer, None)
-    executors = Executors(world.database_dir, timeout_s=config.reward.timeout_s, max_rows=config.reward.max_rows)
-    examples, golds = rl_examples(world, config.data.train_split, executors, config.data.schema_values)
+    executors = Executors(world.database_dir, timeout_s=settings.reward.timeout_s, max_rows=settings.reward.max_rows)
+    examples, golds = rl_examples(world, settings.data.train_split, executors, settings.data.schema_values)
     prompts = [policy_prompt(ex.question, ex.schema, ex.evidence) for ex in examples]
 
     mesh, rules = run.use_mesh()
     vocab = len(tokenizer)
-    policy = load_policy(config, vocab, mesh, rules)
-    tx = make_optimizer(config.optim, updates_per_step(config))   # the schedule counts steps, not updates
+    policy = load_policy(settings, vocab, mesh, rules)
+    tx = make_optimizer(settings.optim, updates_per_step(settings))   # the schedule counts steps, not updates
     graphdef, state, state_sharding = loop.create_state(policy, tx, mesh, rules)
     # The starting point, before any update, copied (the state is donated) in the compute dtype.
-    ref_params = (reference_params(state.params, config.model.dtype, tied=policy.config.tie_word_embeddings)
-                  if config.rl.beta > 0 else None)
+    ref_params = (reference_params(state.params, settings.model.dtype, tied=policy.config.tie_word_embeddings)
+                  if settings.rl.beta > 0 else None)
     run_record = runs.record(policy.config, world.tokenizer_dir)   # saved with every checkpoint
     del policy
-    uses_prm = reward_variant(config.reward.variant).uses_prm
-    prm_graphdef, prm_params = load_prm(config, vocab, mesh, rules) if uses_prm else (None, None)
+    uses_prm = settings.reward.uses_prm
+    prm_graphdef, prm_params = load_prm(settings, vocab, mesh, rules) if uses_prm else (None, None)
     # Two variants of the update: with the policy's entropy (a metric) on logging steps, without on the others.
-    update = {logging: jit_update(graphdef, tx, config, state_sharding, with_entropy=logging)
+    update = {logging: jit_update(graphdef, tx, settings, state_sharding, with_entropy=logging)
               for logging in (True, False)}
-    widths = check_prompt_widths(config.sampling.prompt_widths, config.sampling.max_prompt_len)
-    sampling = SamplingConfig(config.sampling.max_new_tokens, config.sampling.temperature, config.sampling.top_k,
-                              config.sampling.top_p, stop_tokens=stop_tokens, pad_id=pad_id)
-    reward_cfg = reward_config(config)
-    group = config.rl.group_size
+    widths = check_prompt_widths(settings.sampling.prompt_widths, settings.sampling.max_prompt_len)
+    sampling = SamplingConfig(settings.sampling.max_new_tokens, settings.sampling.temperature, settings.sampling.top_k,
+                              settings.sampling.top_p, stop_tokens=stop_tokens, pad_id=pad_id)
+    reward_cfg = reward_config(settings)
+    group = settings.rl.group_size
     multihost.log_main("GRPO (%s): %s policy parameters, %d prompts x G=%d per step, %d training prompts",
-                       config.reward.variant, f"{sum(x.size for x in jax.tree.leaves(state.params)):,}",
-                       config.rl.prompts_per_step, group, len(examples))
+                       settings.reward.variant, f"{sum(x.size for x in jax.tree.leaves(state.params)):,}",
+                       settings.rl.prompts_per_step, group, len(examples))
 
-    data_iter = prompt_iterator(len(examples), config.rl.prompts_per_step, config.seed)
+    data_iter = prompt_iterator(len(examples), settings.rl.prompts_per_step, settings.seed)
     state = run.resume(state, data_iter, run_record=run_record)
-    base_key = jax.random.key(config.seed)
+    base_key = jax.random.key(settings.seed)
 
     def step(state, step):
         t_start = time.perf_counter()
         indices = np.repeat(np.asarray(next(data_iter)), group)  # consecutive rows = one group
-        prompt_ids, prompt_mask = prompt_batch([prompts[i] for i in indices], tokenizer, config.sampling.max_prompt_len,
+        prompt_ids, prompt_mask = prompt_batch([prompts[i] for i in indices], tokenizer,
+                                               settings.sampling.max_prompt_len,
                                                pad_id=pad_id, widths=widths)
         output = generate(nnx.merge(graphdef, state.params), jnp.asarray(prompt_ids), jnp.asarray(prompt_mask),
                           jax.random.fold_in(base_key, step), sampling)
@@ -263,22 +241,22 @@ def run(config, workdir: str) -> dict:
         t_prm = time.perf_counter()
         advantages, unit_stats = advantages_from_rewards(
             prm_scores, batch["clause_ends"], batch["exec_rewards"], batch["completion_mask"], batch["parse_ok"],
-            variant=config.reward.variant, group_size=group, gamma=float(config.rl.gamma),
-            prm_weight=float(config.reward.prm_weight), exec_failure_reward=float(config.reward.failure),
-            format_penalty=float(config.reward.format_penalty), scale_by_std=config.rl.scale_by_std)
+            variant=settings.reward.variant, group_size=group, gamma=float(settings.rl.gamma),
+            prm_weight=float(settings.reward.prm_weight), exec_failure_reward=float(settings.reward.failure),
+            format_penalty=float(settings.reward.format_penalty), scale_by_std=settings.rl.scale_by_std)
         train_batch = {k: batch[k] for k in ("input_ids", "attention_mask", "completion_mask", "old_logp")}
         train_batch["advantages"] = advantages
         if ref_params is not None:
             train_batch["ref_logp"] = jit_completion_logprobs(
                 ref_params, batch["input_ids"], batch["attention_mask"], graphdef=graphdef, completion_len=n_new,
-                temperature=float(config.sampling.temperature), chunk_size=config.chunk_size)
+                temperature=float(settings.sampling.temperature), chunk_size=settings.chunk_size)
         jax.block_until_ready(train_batch)   # so the reference's time is its own, not the update's
         t_prepared = time.perf_counter()
 
         updates = []
-        update_fn = update[is_logging_step(config, step)]
-        for _ in range(config.rl.update_epochs):
-            for minibatch in _minibatches(train_batch, config.rl.num_minibatches):
+        update_fn = update[is_logging_step(settings, step)]
+        for _ in range(settings.rl.update_epochs):
+            for minibatch in _minibatches(train_batch, settings.rl.num_minibatches):
                 state, m = update_fn(state, minibatch)
                 updates.append(m)
         state = state.replace(step=state.step + 1)
@@ -287,7 +265,7 @@ def run(config, workdir: str) -> dict:
 
         rollout_s, update_s = t_sampled - t_start, t_end - t_prepared
         generated = float(rollout.completion_mask.sum())
-        updated_tokens = float(rollout.attention_mask.sum()) * config.rl.update_epochs
+        updated_tokens = float(rollout.attention_mask.sum()) * settings.rl.update_epochs
         return state, {"updates": updates, "unit_stats": unit_stats, "rollout": {
             "rollout/reward_mean": float(rollout.exec_rewards.mean()),
             "rollout/ex": float(rollout.correct.mean()),
@@ -318,48 +296,48 @@ def run(config, workdir: str) -> dict:
     state = run.train(state, step, summarize=summarize, log_line=log_line, steps_per_s_key="perf/steps_per_s")
     policy = nnx.merge(graphdef, state.params)
     rows = []
-    results = {"variant": config.reward.variant, "steps": config.optim.total_steps}
-    if config.eval.num_examples:  # 0: no end-of-run EX (the experiments evaluate separately)
-        held_out = data_lib.examples_from_split(world.dir, config.data.eval_split,
-                                                schema_values=config.data.schema_values)
+    results = {"variant": settings.reward.variant, "steps": settings.optim.total_steps}
+    if settings.eval.num_examples:  # 0: no end-of-run EX (the experiments evaluate separately)
+        held_out = data_lib.examples_from_split(world.dir, settings.data.eval_split,
+                                                schema_values=settings.data.schema_values)
         with jax.set_mesh(mesh):
             ex_results, rows = rollout_lib.held_out_ex(
-                policy, tokenizer, held_out, executors, num_examples=config.eval.num_examples, seed=config.seed,
-                split=config.data.eval_split, max_prompt_len=config.sampling.max_prompt_len,
-                max_new_tokens=config.sampling.max_new_tokens, stop_tokens=stop_tokens,
-                batch_size=config.eval.batch_size, semantics=config.reward.semantics)
+                policy, tokenizer, held_out, executors, num_examples=settings.eval.num_examples, seed=settings.seed,
+                split=settings.data.eval_split, max_prompt_len=settings.sampling.max_prompt_len,
+                max_new_tokens=settings.sampling.max_new_tokens, stop_tokens=stop_tokens,
+                batch_size=settings.eval.batch_size, semantics=settings.reward.semantics)
         results.update(ex_results)
     executors.close()
     loop.finish_policy_run(run, results, rows, policy, tokenizer,
                            curves=["rollout/reward_mean", "rollout/ex", "train/kl_ref", "train/entropy"],
-                           png="grpo_curves.png", title=f"GRPO ({config.reward.variant})")
-    summary_lib.policy_run(f"GRPO ({config.reward.variant})", results, run.workdir, run.elapsed(),
-                           eval_split=config.data.eval_split, png="grpo_curves.png", export=config.export_hf)
+                           png="grpo_curves.png", title=f"GRPO ({settings.reward.variant})")
+    summary_lib.policy_run(f"GRPO ({settings.reward.variant})", results, run.workdir, run.elapsed(),
+                           eval_split=settings.data.eval_split, png="grpo_curves.png", export=settings.export_hf)
     return results
 
 
-def dry_run(config) -> dict:
+def dry_run(settings: GrpoSettings) -> dict:
     """Lower + compile the GRPO update on abstract shapes for the current devices; no weights."""
-    rows = config.rl.prompts_per_step * config.rl.group_size // config.rl.num_minibatches
-    full, new = config.sampling.max_prompt_len + config.sampling.max_new_tokens, config.sampling.max_new_tokens
+    rows = settings.rl.prompts_per_step * settings.rl.group_size // settings.rl.num_minibatches
+    full, new = settings.sampling.max_prompt_len + settings.sampling.max_new_tokens, settings.sampling.max_new_tokens
 
     def batch(struct):
         batch = {"input_ids": struct((rows, full), jnp.int32), "attention_mask": struct((rows, full), jnp.int32),
                  "completion_mask": struct((rows, new), jnp.int32), "old_logp": struct((rows, new), jnp.float32),
                  "advantages": struct((rows, new), jnp.float32)}
-        if config.rl.beta > 0:
+        if settings.rl.beta > 0:
             batch["ref_logp"] = struct((rows, new), jnp.float32)
         return batch
 
-    widths = check_prompt_widths(config.sampling.prompt_widths, config.sampling.max_prompt_len)
-    kinds = ["prefill", "decode"] + (["PRM"] if reward_variant(config.reward.variant).uses_prm else []) + \
-        (["reference"] if config.rl.beta > 0 else []) + ["update"]
-    updates = 2 if config.log_every > 1 and config.optim.total_steps > 1 else 1   # with / without the entropy
+    widths = check_prompt_widths(settings.sampling.prompt_widths, settings.sampling.max_prompt_len)
+    kinds = ["prefill", "decode"] + (["PRM"] if settings.reward.uses_prm else []) + \
+        (["reference"] if settings.rl.beta > 0 else []) + ["update"]
+    updates = 2 if settings.log_every > 1 and settings.optim.total_steps > 1 else 1   # with / without the entropy
     print(f"prompt widths {list(widths)}: a run compiles at most {len(widths) * (len(kinds) - 1 + updates)} step "
           f"programs ({', '.join(kinds)}{' x 2' if updates == 2 else ''}, one per width); compiled here: the "
-          f"update at the widest ({config.sampling.max_prompt_len}). Programs of a run on real prompts: "
+          f"update at the widest ({settings.sampling.max_prompt_len}). Programs of a run on real prompts: "
           f"bench/dry_run_grpo.py --count_programs")
     return loop.dry_run(
-        config, Qwen35ForCausalLM, lambda graphdef, tx: jit_update(graphdef, tx, config), batch,
-        f"GRPO update: preset {config.model.preset}, minibatch {rows} x ({config.sampling.max_prompt_len} + "
-        f"{new}) tokens, beta {config.rl.beta}, remat {config.model.remat}")
+        settings, Qwen35ForCausalLM, lambda graphdef, tx: jit_update(graphdef, tx, settings), batch,
+        f"GRPO update: preset {settings.model.preset}, minibatch {rows} x ({settings.sampling.max_prompt_len} + "
+        f"{new}) tokens, beta {settings.rl.beta}, remat {settings.model.remat}")

@@ -26,10 +26,13 @@ from caper_jax.policy.build import build_policy
 from caper_jax.policy.logprobs import lm_head, token_logprobs
 from caper_jax.policy.prompts import stop_token_id
 from caper_jax.policy.rollout import held_out_ex
+from caper_jax.sections import OptimSettings, check_devices, check_world
+from caper_jax.settings import from_config
+from caper_jax.sft import data as data_lib
+from caper_jax.sft.settings import SftSettings
 from caper_jax.sql.execution import Executors
 from caper_jax.utils import summary as summary_lib
 from caper_jax.utils.optim import TrainState, guarded_update, make_optimizer
-from caper_jax.sft import data as data_lib
 
 log = logging.getLogger("caper_jax")
 
@@ -57,10 +60,10 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientTr
     return new_state, {**guard, **aux}
 
 
-def jit_train_step(graphdef, tx, chunk_size: int, state_sharding=None, optim=None):
-    """The jitted SFT step (state donated); cached per process when ``optim`` (the ConfigDict ``tx`` was
+def jit_train_step(graphdef, tx, chunk_size: int, state_sharding=None, optim: OptimSettings | None = None):
+    """The jitted SFT step (state donated); cached per process when ``optim`` (the settings ``tx`` was
     made from) is given."""
-    key = None if optim is None else ("sft", graphdef, loop.frozen(optim), chunk_size)
+    key = None if optim is None else ("sft", graphdef, optim, chunk_size)
     return loop.jit_state_step(functools.partial(train_step, graphdef=graphdef, tx=tx, chunk_size=chunk_size),
                                key, state_sharding)
 
@@ -68,37 +71,45 @@ def jit_train_step(graphdef, tx, chunk_size: int, state_sharding=None, optim=Non
 # -- loop
 
 
-def validate(config) -> None:
-    """Every config value checked before any data, model or compilation work starts."""
-    loop.check_config(config, positive=("log_every", "ckpt_every", "chunk_size"))
-    if config.data.batch_size < 1 or config.data.batch_size % jax.process_count():
-        raise ValueError(f"data.batch_size={config.data.batch_size} must be a positive multiple of the "
+def validate(config) -> SftSettings:
+    """The config built into ``SftSettings`` (every value checked there), then what only this job can answer
+    (``check_job``); before any data, model or compilation work."""
+    settings = from_config(SftSettings, config)
+    check_job(settings)
+    return settings
+
+
+def check_job(settings: SftSettings) -> None:
+    """What the settings alone cannot say: the world's folder and tokenizer are named, the mesh fits the
+    devices, the global batch splits over the processes."""
+    check_world(settings.data, settings.model)
+    check_devices(settings)
+    if settings.data.batch_size < 1 or settings.data.batch_size % jax.process_count():
+        raise ValueError(f"data.batch_size={settings.data.batch_size} must be a positive multiple of the "
                          f"process count {jax.process_count()}")
-    if config.eval.num_examples < 0 or config.eval.batch_size < 1 or config.eval.max_new_tokens < 1:
-        raise ValueError("eval.num_examples must be >= 0, eval.batch_size and eval.max_new_tokens >= 1")
 
 
-def run(config, workdir: str) -> dict:
-    run = loop.TrainingRun.start(config, workdir)
-    world = prepare_world(config, run.workdir)
+def run(settings: SftSettings, workdir: str) -> dict:
+    run = loop.TrainingRun.start(settings, workdir)
+    world = prepare_world(settings, run.workdir)
     tokenizer = world.tokenizer
     stop = stop_token_id(tokenizer)
-    train_examples = data_lib.examples_from_split(world.dir, config.data.train_split,
-                                                  schema_values=config.data.schema_values)
+    train_examples = data_lib.examples_from_split(world.dir, settings.data.train_split,
+                                                  schema_values=settings.data.schema_values)
 
     mesh, rules = run.use_mesh()
-    model = build_policy(config.model, len(tokenizer), config.seed, mesh, rules)
-    tx = make_optimizer(config.optim)
+    model = build_policy(settings.model, len(tokenizer), settings.seed, mesh, rules)
+    tx = make_optimizer(settings.optim)
     graphdef, state, state_sharding = loop.create_state(model, tx, mesh, rules)
     run_record = runs.record(model.config, world.tokenizer_dir)   # saved with every checkpoint
     del model
-    step_fn = jit_train_step(graphdef, tx, config.chunk_size, state_sharding, optim=config.optim)
+    step_fn = jit_train_step(graphdef, tx, settings.chunk_size, state_sharding, optim=settings.optim)
     multihost.log_main("SFT policy: %s parameters on mesh %s",
                        f"{sum(x.size for x in jax.tree.leaves(state.params)):,}", dict(mesh.shape))
 
     pipeline = data_lib.sft_pipeline(
-        train_examples, tokenizer, global_batch_size=config.data.batch_size, max_len=config.data.max_len,
-        bucket_lengths=config.data.bucket_lengths, seed=config.seed, num_epochs=None,
+        train_examples, tokenizer, global_batch_size=settings.data.batch_size, max_len=settings.data.max_len,
+        bucket_lengths=settings.data.bucket_lengths, seed=settings.seed, num_epochs=None,
         process_index=jax.process_index(), process_count=jax.process_count())
     data_iter = pipeline.iterator()
     multihost.log_main("SFT examples: %d (%d steps per epoch)", pipeline.num_examples, pipeline.steps_per_epoch)
@@ -114,28 +125,28 @@ def run(config, workdir: str) -> dict:
     state = run.train(state, step, summarize=summarize, log_line=lambda s: f"  loss {s['train/loss']:.4f}")
     policy = nnx.merge(graphdef, state.params)
     rows = []
-    results = {"steps": config.optim.total_steps}
-    if config.eval.num_examples:  # 0: no end-of-run EX (the experiments evaluate separately)
-        held_out = data_lib.examples_from_split(world.dir, config.data.eval_split,
-                                                schema_values=config.data.schema_values)
-        with jax.set_mesh(mesh), Executors(world.database_dir, timeout_s=config.eval.timeout_s) as executors:
+    results = {"steps": settings.optim.total_steps}
+    if settings.eval.num_examples:  # 0: no end-of-run EX (the experiments evaluate separately)
+        held_out = data_lib.examples_from_split(world.dir, settings.data.eval_split,
+                                                schema_values=settings.data.schema_values)
+        with jax.set_mesh(mesh), Executors(world.database_dir, timeout_s=settings.eval.timeout_s) as executors:
             ex_results, rows = held_out_ex(
-                policy, tokenizer, held_out, executors, num_examples=config.eval.num_examples, seed=config.seed,
-                split=config.data.eval_split, max_prompt_len=config.eval.max_prompt_len,
-                max_new_tokens=config.eval.max_new_tokens, stop_tokens=(stop,), batch_size=config.eval.batch_size)
+                policy, tokenizer, held_out, executors, num_examples=settings.eval.num_examples, seed=settings.seed,
+                split=settings.data.eval_split, max_prompt_len=settings.eval.max_prompt_len,
+                max_new_tokens=settings.eval.max_new_tokens, stop_tokens=(stop,), batch_size=settings.eval.batch_size)
         results.update(ex_results)
     loop.finish_policy_run(run, results, rows, policy, tokenizer, curves=["train/loss", "train/grad_norm"],
                            png="loss_curve.png", title="SFT")
-    summary_lib.policy_run("SFT", results, run.workdir, run.elapsed(), eval_split=config.data.eval_split,
-                           export=config.export_hf)
+    summary_lib.policy_run("SFT", results, run.workdir, run.elapsed(), eval_split=settings.data.eval_split,
+                           export=settings.export_hf)
     return results
 
 
-def dry_run(config) -> dict:
+def dry_run(settings: SftSettings) -> dict:
     """Lower + compile the SFT step on abstract shapes for the current devices; no weights."""
-    b, length = config.data.batch_size, config.data.max_len
+    b, length = settings.data.batch_size, settings.data.max_len
     return loop.dry_run(
-        config, Qwen35ForCausalLM, lambda graphdef, tx: jit_train_step(graphdef, tx, config.chunk_size),
+        settings, Qwen35ForCausalLM, lambda graphdef, tx: jit_train_step(graphdef, tx, settings.chunk_size),
         lambda struct: {key: struct((b, length), jnp.int32) for key in data_lib.BATCH_KEYS},
-        f"SFT train step: preset {config.model.preset}, global batch {b} x {length} tokens, "
-        f"remat {config.model.remat}, params {config.model.param_dtype}, compute {config.model.dtype}")
+        f"SFT train step: preset {settings.model.preset}, global batch {b} x {length} tokens, "
+        f"remat {settings.model.remat}, params {settings.model.param_dtype}, compute {settings.model.dtype}")

@@ -13,6 +13,7 @@ import pathlib
 import pytest
 
 from caper_jax import annotate
+from caper_jax.settings import from_config
 from configs.annotate import get_config
 
 LIMIT = 12  # questions of Spider dev; ~0.1 s of annotation each on 2 cores
@@ -35,7 +36,7 @@ def _build(spider: pathlib.Path, data_dir: pathlib.Path, beam_options: str | Non
     config = get_config(f"spider,limit={LIMIT}")
     config.data.manual_dir = str(spider)
     config.data_dir = str(data_dir)
-    summary = annotate.run_build(config, beam_options=beam_options)
+    summary = annotate.run_build(from_config(annotate.AnnotateSettings, config), beam_options=beam_options)
     (dataset_dir,) = [p.parent for p in data_dir.rglob("dataset_info.json")]
     builder = tfds.builder_from_directory(str(dataset_dir))
     source = builder.as_data_source(split="dev")

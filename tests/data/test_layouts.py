@@ -175,8 +175,12 @@ def test_world_sft_examples_and_prm_annotation_find_every_database(layouts, layo
 
 
 def test_prm_config_has_a_validated_annotation_semantics():
-    from caper_jax.prm.trainer import annotation_settings
+    from caper_jax.prm.settings import PrmSettings
+    from caper_jax.settings import from_config
     from configs import prm as prm_config
+
+    def annotation_settings(config):
+        return from_config(PrmSettings, config).annotation
 
     config = prm_config.get_config()
     assert config.annotate.semantics == "spider" and annotation_settings(config).semantics == "spider"

@@ -28,7 +28,7 @@ def test_margin_weighted_bradley_terry():
 
 
 def test_alpha_normalises_the_weight():
-    loss, _ = pairwise_loss(R_POS, R_NEG, MARGIN, WEIGHT, PairLossConfig(alpha=2.0))
+    loss, _ = pairwise_loss(R_POS, R_NEG, MARGIN, WEIGHT, PairLossConfig(annotation_alpha=2.0))
     expected = (softplus(-2.0) * 0.5 + softplus(1.0) * 0.25) / 2
     np.testing.assert_allclose(loss, expected, rtol=1e-6)
 

@@ -32,12 +32,20 @@ def _prm_config(init_from: str, **model):
     return config
 
 
+def _prm_settings(init_from: str, **model):
+    """The PRM's settings as ``validate`` builds them, without its check of the run (the tests call it)."""
+    from caper_jax.prm.settings import PrmSettings
+    from caper_jax.settings import from_config
+
+    return from_config(PrmSettings, _prm_config(init_from, **model))
+
+
 def test_backbone_is_the_sft_runs_and_the_head_is_new(runs):
     sft_dir, _ = runs
     mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
     policy = policy_lib.load_policy(sft_dir, mesh, DEFAULT_RULES)
     vocab = policy.model.config.vocab_size
-    prm = prm_trainer.build_model(_prm_config(str(sft_dir)), vocab, mesh, DEFAULT_RULES)
+    prm = prm_trainer.build_model(_prm_settings(str(sft_dir)), vocab, mesh, DEFAULT_RULES)
     ours = dict(nnx.to_flat_state(nnx.state(prm, nnx.Param)))
     sft = dict(nnx.to_flat_state(nnx.state(policy.model, nnx.Param)))
     assert set(ours) == {("backbone", *path) for path in sft} | {("score_head",)}
@@ -61,7 +69,7 @@ def test_a_missing_or_mismatched_sft_run_is_one_clear_error(runs, tmp_path):
         with pytest.raises(CheckpointError, match=message):
             prm_trainer.validate(config)
     with pytest.raises(CheckpointError, match="a different tokenizer"):
-        prm_trainer.check_init_from(_prm_config(str(sft_dir)), vocab_size=10**6)   # more tokens than rows
+        prm_trainer.check_init_from(_prm_settings(str(sft_dir)), vocab_size=10**6)   # more tokens than rows
 
 
 def test_clause_confidence_matches_full_vocabulary_log_probs(runs):

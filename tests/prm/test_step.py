@@ -64,7 +64,7 @@ def test_learns_a_fixed_batch(setup):
         return hidden[rows, batch[f"{side}_pos"]] @ head
 
     gap = scores("chosen") - scores("rejected")
-    per_row = batch["margin"] / PairLossConfig().alpha * np.log1p(np.exp(-gap))     # -w(delta) log sigmoid(gap)
+    per_row = batch["margin"] / PairLossConfig().annotation_alpha * np.log1p(np.exp(-gap))     # -w(delta) log sigmoid(gap)
     expected = (per_row * batch["weight"]).sum() / batch["weight"].sum()
     state = init_state(jax.tree.map(jnp.copy, params), tx)
     losses = []

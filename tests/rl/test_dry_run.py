@@ -15,6 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _child() -> dict:
     from caper_jax.rl import dry_run as plan_lib
     from caper_jax.parallel.mesh import make_mesh
+    from caper_jax.rl.trainer import validate
     from configs.grpo import get_config
 
     config = get_config("model=tiny,variant=clause")
@@ -22,7 +23,7 @@ def _child() -> dict:
     config.prm.workdir = "(dry run)"
     config.sampling.max_prompt_len, config.sampling.max_new_tokens = 16, 4
     config.rl.group_size, config.rl.prompts_per_step, config.rl.num_minibatches = 2, 2, 2
-    result = plan_lib.plan(config, make_mesh((1, -1, 1)), print_fn=None)
+    result = plan_lib.plan(validate(config), make_mesh((1, -1, 1)), print_fn=None)
     out = {k: v for k, v in result.items() if k != "programs"}
     out["programs"] = {k: v.as_dict() for k, v in result["programs"].items()}
     out["update_epochs"] = config.rl.update_epochs

@@ -72,21 +72,21 @@ def update_setup(world):
     from caper_jax.rl.trainer import load_policy
 
     data_dir, tokenizer = world
-    config = e2e_config(data_dir)
-    mesh = mesh_lib.make_mesh(config.mesh_shape.to_dict())
-    rules = tuple(tuple(r) for r in config.sharding_rules)
-    policy = load_policy(config, len(tokenizer), mesh, rules)
-    tx = make_optimizer(config.optim)
+    settings = T.validate(e2e_config(data_dir))
+    mesh = mesh_lib.make_mesh(dict(settings.mesh_shape))
+    rules = settings.sharding_rules
+    policy = load_policy(settings, len(tokenizer), mesh, rules)
+    tx = make_optimizer(settings.optim)
     graphdef, state, shardings = create_state(policy, tx, mesh, rules)
     rng = np.random.default_rng(0)
-    new = config.sampling.max_new_tokens
-    ids = jnp.asarray(rng.integers(4, len(tokenizer), (2, config.sampling.max_prompt_len + new)), jnp.int32)
+    new = settings.sampling.max_new_tokens
+    ids = jnp.asarray(rng.integers(4, len(tokenizer), (2, settings.sampling.max_prompt_len + new)), jnp.int32)
     attention = jnp.ones_like(ids)
     logprobs = functools.partial(jit_completion_logprobs, input_ids=ids, attention_mask=attention,
-                                 graphdef=graphdef, completion_len=new, temperature=1.0, chunk_size=config.chunk_size)
+                                 graphdef=graphdef, completion_len=new, temperature=1.0, chunk_size=settings.chunk_size)
     fresh_state = jax.jit(lambda p: init_state(p, tx), out_shardings=shardings)  # the e2e runs' layout
     return dict(params=state.params, fresh_state=fresh_state, ids=ids, attention=attention, new=new,
-                logprobs=logprobs, mesh=mesh, update=rl_step.jit_update(graphdef, tx, config, shardings))
+                logprobs=logprobs, mesh=mesh, update=rl_step.jit_update(graphdef, tx, settings, shardings))
 
 
 def update_once(setup, exec_rewards):
@@ -131,7 +131,7 @@ def world(tmp_path_factory):
 
     config = grpo_config()
     config.data.update(SMALL_WORLD, dir=str(tmp_path_factory.mktemp("world")))
-    return config.data.dir, prepare_world(config, config.data.dir).tokenizer
+    return config.data.dir, prepare_world(T.validate(config), config.data.dir).tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -212,9 +212,8 @@ def test_end_to_end_and_resume(variant, beta, world, prm_run, tmp_path, monkeypa
     are the PRM's scores of the sampled completion's prefixes (none for sparse)."""
     config = e2e_config(world[0], variant, beta)
     config.prm.workdir = str(prm_run) if variant != "sparse" else ""
-    T.validate(config)
     recorder = Recorder(monkeypatch)
-    results = T.run(config, str(tmp_path))
+    results = T.run(T.validate(config), str(tmp_path))
     assert results["eval/n"] == 2 and 0.0 <= results["eval/greedy_ex"] <= 1.0
     sample, call = recorder.samples[0], recorder.calls[0]
     if variant == "sparse":
@@ -243,7 +242,7 @@ def test_end_to_end_and_resume(variant, beta, world, prm_run, tmp_path, monkeypa
     assert units == 1.0 if variant == "sparse" else units >= 1.0
 
     config.optim.total_steps = 3
-    T.run(config, str(tmp_path))
+    T.run(T.validate(config), str(tmp_path))
     steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "rollout/reward_mean" in r]
     assert steps == [1, 2, 3], "the rerun must resume at step 3, not start over"
     assert (tmp_path / "checkpoints" / "3").is_dir()
@@ -276,11 +275,11 @@ def forced_runs(world, prm_run, tmp_path_factory):
         config.reward.update(correct=0.5, wrong=0.5, failure=0.0)
         config.eval.num_examples = 0
         config.optim.total_steps = 1
-        T.validate(config)
+        settings = T.validate(config)
         workdir = tmp_path_factory.mktemp(f"forced_{variant}")
         with pytest.MonkeyPatch.context() as monkeypatch:
             recorder = Recorder(monkeypatch, forced)
-            T.run(config, str(workdir))
+            T.run(settings, str(workdir))
         [sample], [call] = recorder.samples, recorder.calls
         [metrics] = [r for r in read_metrics(workdir / "metrics.jsonl") if "rollout/reward_mean" in r]
         runs[variant] = dict(sample=sample, call=call, metrics=metrics)

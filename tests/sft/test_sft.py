@@ -165,12 +165,11 @@ def test_run_writes_results_and_resumes(tmp_path):
     config.eval.update(num_examples=2, batch_size=2, max_new_tokens=8)
     config.update(log_every=1, ckpt_every=1)
     config.optim.total_steps = 2
-    S.validate(config)
     with persistent_compile_cache(tmp_path / "xla_cache"):
-        results = S.run(config, str(tmp_path / "run"))
+        results = S.run(S.validate(config), str(tmp_path / "run"))
         assert results["eval/n"] == 2 and results["steps"] == 2
         config.optim.total_steps = 3
-        S.run(config, str(tmp_path / "run"))
+        S.run(S.validate(config), str(tmp_path / "run"))
     steps = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
     assert steps == [1, 2, 3]
     export = tmp_path / "run" / "hf_export"
