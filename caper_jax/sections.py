@@ -19,7 +19,7 @@ from caper_jax.models.config import REMAT_POLICIES
 from caper_jax.models.presets import PRESETS
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel import rules as rules_lib
-from caper_jax.settings import Settings
+from caper_jax.settings import Settings, one_of
 
 # (logical axis name, mesh axis | mesh axes | None): caper_jax/parallel/rules.py
 ShardingRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
@@ -41,8 +41,7 @@ class ModelSettings:
         # (loop.check_dry_run refuses an unknown one there).
         if self.preset not in PRESETS and not self.hf_dir:
             raise ValueError(f"model.preset={self.preset!r}; expected one of {PRESETS} or model.hf_dir")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"model.remat={self.remat!r}; expected one of {REMAT_POLICIES}")
+        one_of(self.remat, REMAT_POLICIES, "model.remat")
 
 
 @frozen
@@ -76,8 +75,7 @@ class WorldSettings:
     demo_dev_size: int
 
     def __post_init__(self):
-        if self.kind not in ("demo", "spider"):
-            raise WorldError(f"data.kind={self.kind!r}; expected 'demo' or 'spider'")
+        one_of(self.kind, ("demo", "spider"), "data.kind", error=WorldError)
 
 
 def check_bucket_lengths(buckets: tuple[int, ...], max_len: int) -> None:

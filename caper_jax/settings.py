@@ -43,6 +43,13 @@ def did_you_mean(word: str, choices, prefix: str = "") -> str:
     return f"; did you mean {prefix}{close[0]}?" if close else f"; expected one of {sorted(map(str, choices))}"
 
 
+def one_of(value, choices, name: str, error: type[Exception] = SettingsError) -> None:
+    """A value that must be one of ``choices``: one line naming the setting, the value and the choices."""
+    if value not in choices:
+        expected = f"{choices[0]!r} or {choices[1]!r}" if len(choices) == 2 else f"one of {tuple(choices)}"
+        raise error(f"{name}={value!r}; expected {expected}")
+
+
 def _type_name(kind) -> str:
     return getattr(kind, "__name__", str(kind))
 

@@ -8,7 +8,7 @@ from caper_jax.prm.settings import PrmSettings
 from caper_jax.rl.rewards import VARIANTS
 from caper_jax.rl.settings import GrpoSettings
 from caper_jax.sections import frozen
-from caper_jax.settings import Settings
+from caper_jax.settings import Settings, one_of
 from caper_jax.sft.settings import SftSettings
 
 PRM_INITS = ("sft", "random")
@@ -65,8 +65,7 @@ class ReproduceSettings(Settings):
             raise ValueError(f"variants={self.variants}; expected a non-empty subset of {VARIANTS}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds={self.seeds} must be non-empty and distinct")
-        if self.data.kind not in ("demo", "spider"):
-            raise ValueError(f"data.kind={self.data.kind!r}; expected 'demo' or 'spider'")
+        one_of(self.data.kind, ("demo", "spider"), "data.kind")
         if self.data.kind == "spider" and not self.data.dir:
             raise ValueError("data.kind='spider' needs --config.data.dir=<Spider/BIRD layout directory>")
         if self.samples.train_questions < 1:
@@ -80,8 +79,7 @@ class ReproduceSettings(Settings):
         if self.report.pick_questions < 1:
             raise ValueError(f"report.pick_questions must be >= 1, got {self.report.pick_questions}")
         check_pick_held_back(self.report, self.samples)
-        if self.prm_init not in PRM_INITS:
-            raise ValueError(f"prm_init={self.prm_init!r}; expected one of {PRM_INITS}")
+        one_of(self.prm_init, PRM_INITS, "prm_init")
 
 
 @frozen

@@ -4,6 +4,7 @@ from __future__ import annotations
 from caper_jax.prm.loss import LmAuxConfig, PairLossConfig
 from caper_jax.sections import (ModelSettings, OptimSettings, TrainerSettings, WorldSettings, check_bucket_lengths,
                                 check_positive, frozen)
+from caper_jax.settings import one_of
 from caper_jax.sql.tuples import AnnotationSettings
 
 
@@ -49,8 +50,7 @@ class PrmAnnotate:
     semantics: str
 
     def __post_init__(self):
-        if self.semantics not in ("spider", "bird"):
-            raise ValueError(f"annotate.semantics={self.semantics!r}; expected 'spider' or 'bird'")
+        one_of(self.semantics, ("spider", "bird"), "annotate.semantics")
         self.annotation(seed=0)   # alpha, sigma, floor, per_query, compound, site_balance
 
     def annotation(self, *, seed: int) -> AnnotationSettings:

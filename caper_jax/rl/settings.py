@@ -6,6 +6,7 @@ from caper_jax.policy.prompts import check_prompt_widths
 from caper_jax.rl.losses import AGGREGATIONS
 from caper_jax.rl.rewards import reward_variant
 from caper_jax.sections import ModelSettings, OptimSettings, TrainerSettings, WorldSettings, check_positive, frozen
+from caper_jax.settings import one_of
 
 
 @frozen
@@ -42,8 +43,7 @@ class GrpoReward:
             reward_variant(self.variant)
         except ValueError as error:
             raise ValueError(f"reward.variant: {error}") from None
-        if self.semantics not in ("spider", "bird"):
-            raise ValueError(f"reward.semantics={self.semantics!r}; expected spider or bird")
+        one_of(self.semantics, ("spider", "bird"), "reward.semantics")
 
     @property
     def uses_prm(self) -> bool:
@@ -80,8 +80,7 @@ class GrpoRl:
     scale_by_std: bool
 
     def __post_init__(self):
-        if self.agg not in AGGREGATIONS:
-            raise ValueError(f"rl.agg={self.agg!r}; expected one of {AGGREGATIONS}")
+        one_of(self.agg, AGGREGATIONS, "rl.agg")
         if self.group_size < 2:
             raise ValueError(f"rl.group_size={self.group_size} must be >= 2 (advantages are group-relative)")
         rows = self.prompts_per_step * self.group_size
