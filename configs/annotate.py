@@ -44,11 +44,12 @@ Defaults and why (docs/annotation.md has the full argument):
 """
 from ml_collections import ConfigDict
 
+from caper_jax.sql.tuples import AnnotationSettings
 from configs.common import parse_arg
 
 
 def get_config(arg: str | None = None) -> ConfigDict:
-    arg = parse_arg(arg, spider=False, demo=False, bird=False, limit=0, per_query=4)
+    arg = parse_arg(arg, spider=False, demo=False, bird=False, limit=0, per_query=AnnotationSettings().per_query)
     if arg.spider + arg.demo + arg.bird > 1:
         raise ValueError("choose one of :spider, :demo and :bird")
     c = ConfigDict()
@@ -65,22 +66,25 @@ def get_config(arg: str | None = None) -> ConfigDict:
     # <split>/<split>_databases/); else a folder under manual_dir, "{split}" replaced.
     c.data.database_dir = ""
 
-    c.alpha = 1.0
-    c.sigma = 1.0
-    c.margin_floor = 0.05
-    c.reference_edges = False                    # the paper's rule: ancestors only
-    c.within_trajectory = True                   # + (clause k) > (root clause) of the same negative
+    # Each default lives once, in the annotator's own AnnotationSettings (the docstring above says why
+    # each value); this config writes only its variants' choices.
+    recipe = AnnotationSettings()
+    c.alpha = recipe.alpha
+    c.sigma = recipe.sigma
+    c.margin_floor = recipe.margin_floor
+    c.reference_edges = recipe.reference_edges   # the paper's rule: ancestors only
+    c.within_trajectory = recipe.within_trajectory   # + (clause k) > (root clause) of the same negative
     c.per_query = arg.per_query
-    c.compound = 0                               # of those, negatives also given a second, later fault
-    c.site_balance = "clause"                    # edit sites tried round-robin over clauses (or: kind)
+    c.compound = recipe.compound                 # of those, negatives also given a second, later fault
+    c.site_balance = recipe.site_balance         # edit sites tried round-robin over clauses (or: kind)
     c.max_attempts = 0                           # mutants executed per gold; 0: 8 * per_query
-    c.semantics = "bird" if arg.bird else "spider"   # result equivalence (bird: set equality)
-    c.suspect_tuples = False                     # tuples from suspect failures (tie, type, gold_literal_case)
+    c.semantics = "bird" if arg.bird else recipe.semantics   # result equivalence (bird: set equality)
+    c.suspect_tuples = recipe.suspect_tuples                     # tuples from suspect failures (tie, type, gold_literal_case)
     # Per query: a budget of SQLite VM instructions (reproducible: it does not depend on the machine's
     # load) and a wall-clock backstop. Spider: 50 M instructions, 0.4–2 s of SQLite; BIRD's evaluator
     # allows 30 s, about 1 G instructions.
-    c.max_vm_steps = 1_000_000_000 if arg.bird else 50_000_000
-    c.timeout_s = 600.0 if arg.bird else 60.0
-    c.max_rows = 10_000
-    c.seed = 0
+    c.max_vm_steps = 1_000_000_000 if arg.bird else recipe.max_vm_steps
+    c.timeout_s = 600.0 if arg.bird else recipe.timeout_s
+    c.max_rows = recipe.max_rows
+    c.seed = recipe.seed
     return c

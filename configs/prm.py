@@ -22,6 +22,7 @@ Dry run of that step on the current devices (no weights allocated):
 from ml_collections import ConfigDict
 
 from caper_jax.parallel.rules import DEFAULT_RULES
+from caper_jax.sql.tuples import AnnotationSettings
 from configs.common import parse_arg
 
 def get_config(arg: str | None = None) -> ConfigDict:
@@ -52,25 +53,28 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.data.demo_train_size = 1200           # demo world questions (train); dev is built alongside
     c.data.demo_dev_size = 300
 
+    # The annotator's recipe: each default lives once, in caper_jax.sql.tuples.AnnotationSettings
+    # (configs/annotate.py says why each value); only this config's own choices are written here.
+    recipe = AnnotationSettings()
     c.annotate = ConfigDict()
-    c.annotate.per_query = 4                  # fault-injection negatives per gold query
-    c.annotate.compound = 0                   # of those, also given a second fault in a later clause
-    c.annotate.site_balance = "clause"        # edit sites tried round-robin over clauses (or: kind)
-    c.annotate.alpha = 1.0
-    c.annotate.sigma = 1.0
-    c.annotate.margin_floor = 0.05
-    c.annotate.within_trajectory = True       # also rank each negative's clauses against its root (docs/annotation.md)
+    c.annotate.per_query = recipe.per_query   # fault-injection negatives per gold query
+    c.annotate.compound = recipe.compound     # of those, also given a second fault in a later clause
+    c.annotate.site_balance = recipe.site_balance   # edit sites tried round-robin over clauses (or: kind)
+    c.annotate.alpha = recipe.alpha           # penalty at v*; also the loss's margin scale (PairLossConfig.annotation_alpha)
+    c.annotate.sigma = recipe.sigma
+    c.annotate.margin_floor = recipe.margin_floor
+    c.annotate.within_trajectory = recipe.within_trajectory   # each negative's clauses vs its root (docs/annotation.md)
     # Also pair a right and a wrong prediction of one question at the wrong one's root clause (training
     # split only; caper_jax.data.candidate_contrasts): what reranking asks of the PRM.
     c.annotate.candidate_contrasts = False
     # Per query: a budget of SQLite VM instructions, so labels do not depend on the machine's load,
-    # and a wall-clock backstop (caper_jax.sql.tuples.AnnotationSettings).
-    c.annotate.max_vm_steps = 50_000_000
-    c.annotate.timeout_s = 60.0
-    c.annotate.suspect_tuples = False         # tuples from suspect failures (tie, type, literal_case)
+    # and a wall-clock backstop.
+    c.annotate.max_vm_steps = recipe.max_vm_steps
+    c.annotate.timeout_s = recipe.timeout_s
+    c.annotate.suspect_tuples = recipe.suspect_tuples   # tuples from suspect failures (tie, type, gold_literal_case)
     # Result equivalence when annotating: spider (bags, ordered iff ORDER BY) | bird (set equality, as
     # BIRD's evaluator; set it with BIRD data, as configs/annotate.py:bird does).
-    c.annotate.semantics = "spider"
+    c.annotate.semantics = recipe.semantics
 
     c.model = ConfigDict()
     c.model.preset = arg.model                # tiny | small | qwen35_9b
