@@ -24,6 +24,17 @@ import pytest  # noqa: E402
 from tests.helpers import require, spider_dir  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `heavy` (full-size measurements; a small sibling checks the same path) run only with
+    CAPER_HEAVY=1 or when -m names them (`CAPER_HEAVY=1 bash tests/run.sh`, `pytest -m heavy ...`)."""
+    if os.environ.get("CAPER_HEAVY") == "1" or "heavy" in (config.getoption("markexpr") or ""):
+        return
+    heavy = [item for item in items if item.get_closest_marker("heavy")]
+    if heavy:
+        config.hook.pytest_deselected(items=heavy)
+        items[:] = [item for item in items if not item.get_closest_marker("heavy")]
+
+
 @pytest.fixture(scope="session")
 def spider():
     """Path of the Spider dev data (dev.json, tables.json, database/<db>/<db>.sqlite)."""
