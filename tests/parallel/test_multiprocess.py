@@ -188,7 +188,8 @@ def test_sigterm_to_one_host_makes_every_host_save_the_same_step(tmp_path, jax_c
                  if line.startswith("preempted:")] for i in (0, 1)}
     assert len(lines[0]) == len(lines[1]) == 1 and lines[0] == lines[1], (lines, out[-3000:])
     step = int(lines[0][0].split("saving step ")[1].split()[0])
-    assert _committed(workdir / "checkpoints", step) and 2 <= step < TOTAL_STEPS, sorted((workdir / "checkpoints").iterdir())
+    assert _committed(workdir / "checkpoints", step) and 2 <= step < TOTAL_STEPS, sorted(
+        (workdir / "checkpoints").iterdir())
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
 
 
