@@ -6,10 +6,7 @@ The run itself is the real entry point (same flags, same trainer). The hooks onl
   decision (``s`` = -1 when it started fresh), so the test can check that all hosts agree;
 * ``CAPER_TEST_HANG=P:N`` makes process ``P`` stop before feeding the batch of its N-th step
   and wait (after writing ``<workdir>/hung_<process>``), like a host that froze, so the test can
-  SIGKILL it at a known point instead of racing a fast training loop;
-* ``CAPER_TEST_STEP_SECONDS=S`` makes every process wait ``S`` seconds before feeding each batch after
-  its second, so that a signal sent once two steps are logged lands with steps still to run, however
-  fast the steps are.
+  SIGKILL it at a known point instead of racing a fast training loop.
 """
 from __future__ import annotations
 
@@ -58,25 +55,9 @@ def _hang_at(step: int) -> None:
     multihost.host_local_to_global = wrapped
 
 
-def _slow_steps(seconds: float) -> None:
-    to_global = multihost.host_local_to_global
-    calls = 0
-
-    def wrapped(*args, **kwargs):
-        nonlocal calls
-        calls += 1
-        if calls > 2:
-            time.sleep(seconds)
-        return to_global(*args, **kwargs)
-
-    multihost.host_local_to_global = wrapped
-
-
 if __name__ == "__main__":
     _report_resume()
     hang_process, _, hang_step = os.environ.get("CAPER_TEST_HANG", "").partition(":")
     if hang_process and hang_process == os.environ.get("JAX_PROCESS_ID"):
         _hang_at(int(hang_step))
-    if os.environ.get("CAPER_TEST_STEP_SECONDS"):
-        _slow_steps(float(os.environ["CAPER_TEST_STEP_SECONDS"]))
     app.run(train.main, flags_parser=train.parse_flags)

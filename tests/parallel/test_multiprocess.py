@@ -8,10 +8,6 @@ observation hooks), same tiny config, same mesh (fsdp=8), same data:
   the step-2 checkpoint is committed; the test SIGKILLs it, and local.sh stops process 0;
 * the same 2-process command again: both processes resume from step 2 and finish.
 
-A fourth run, the same 2-process command, gets a SIGTERM on one host (every host saves the same step).
-All runs share one compilation cache (the module's ``jax_cache``): the 2-process programs are compiled
-once, by the first run, and loaded by the other two.
-
 Checks: the 2-process loss at every step equals the 1-process loss to ``LOSS_RTOL`` (the programs
 differ only in how all-reduces are grouped: in-process vs. gloo across processes, so the last
 bits of the fp32 sums may differ); step 3, computed before the kill and again after the resume,
@@ -53,21 +49,14 @@ CONFIG_ARGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory) -> pathlib.Path:
-    """One persistent compilation cache for every run in this file: the 2-process runs all compile the
-    same programs (same config, same mesh), so only the first compiles them. JAX keys a cached program
-    by the cache's path too, so the runs must share the folder itself, not copies of it."""
-    return tmp_path_factory.mktemp("jax_cache")
-
-
-def _env(cache: pathlib.Path, **extra: str) -> dict[str, str]:
+def _env(tmp: pathlib.Path, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    # Every run compiles the same step; the persistent cache lets the resumed run skip it.
+    env.update(JAX_COMPILATION_CACHE_DIR=str(tmp / "jax_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "CAPER_DISTRIBUTED",
-                "CAPER_TEST_HANG", "CAPER_TEST_STEP_SECONDS"):
+                "CAPER_TEST_HANG"):
         env.pop(key, None)
     env.update(extra)
     return env
@@ -77,9 +66,9 @@ def _worker(workdir: pathlib.Path) -> list[str]:
     return [sys.executable, "-m", "tests.parallel._mp_worker", *CONFIG_ARGS, f"--workdir={workdir}"]
 
 
-def _local(cache: pathlib.Path, workdir: pathlib.Path, logs: pathlib.Path, *args: str, **env: str) -> subprocess.Popen:
+def _local(tmp: pathlib.Path, workdir: pathlib.Path, logs: pathlib.Path, **env: str) -> subprocess.Popen:
     return subprocess.Popen(["bash", str(REPO / "launch" / "local.sh"), "-n", "2", "-d", "4", "-l", str(logs), "--",
-                             *_worker(workdir), *args], cwd=REPO, env=_env(cache, **env),
+                             *_worker(workdir)], cwd=REPO, env=_env(tmp, **env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -120,7 +109,7 @@ def _safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.slow   # an end-to-end run or a large compile: CI runs it, `-m "not slow"` skips it
-def test_two_processes_match_one_and_resume_after_sigkill(tmp_path, jax_cache):
+def test_two_processes_match_one_and_resume_after_sigkill(tmp_path):
     reference_dir, multi_dir, logs = tmp_path / "one", tmp_path / "two", tmp_path / "logs"
     multi_dir.mkdir()
 
@@ -129,8 +118,8 @@ def test_two_processes_match_one_and_resume_after_sigkill(tmp_path, jax_cache):
     with reference_log.open("w") as log:   # a file, not a pipe: nobody reads it until the end
         reference = subprocess.Popen(
             _worker(reference_dir), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-            env=_env(jax_cache, JAX_PLATFORMS="cpu", NPROC="32", XLA_FLAGS="--xla_force_host_platform_device_count=8"))
-    first = _local(jax_cache, multi_dir, logs / "first", CAPER_TEST_HANG=f"1:{HANG_BEFORE_STEP}")
+            env=_env(tmp_path, JAX_PLATFORMS="cpu", NPROC="32", XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+    first = _local(tmp_path, multi_dir, logs / "first", CAPER_TEST_HANG=f"1:{HANG_BEFORE_STEP}")
     _wait_until(lambda: (multi_dir / "hung_1").exists() and _committed(multi_dir / "checkpoints", LAST_CKPT), first,
                 f"process 1 stalls after the step-{LAST_CKPT} checkpoint")
     os.kill(int((logs / "first" / "process_1.pid").read_text()), signal.SIGKILL)
@@ -141,7 +130,7 @@ def test_two_processes_match_one_and_resume_after_sigkill(tmp_path, jax_cache):
     assert sorted(before_kill) == list(range(1, HANG_BEFORE_STEP))
     assert not _committed(multi_dir / "checkpoints", LAST_CKPT + CKPT_EVERY)
 
-    second = _local(jax_cache, multi_dir, logs / "second")
+    second = _local(tmp_path, multi_dir, logs / "second")
     out, _ = second.communicate(timeout=TIMEOUT_S)
     assert second.returncode == 0, out[-4000:]
     assert _resume_steps(logs / "second") == {0: LAST_CKPT, 1: LAST_CKPT}   # all hosts agree
@@ -171,15 +160,16 @@ def test_two_processes_match_one_and_resume_after_sigkill(tmp_path, jax_cache):
 
 
 @pytest.mark.slow   # two real training processes and a real SIGTERM
-def test_sigterm_to_one_host_makes_every_host_save_the_same_step(tmp_path, jax_cache):
+def test_sigterm_to_one_host_makes_every_host_save_the_same_step(tmp_path):
     """A preemption notice reaches one host only: JAX's preemption service names one step at which every
-    host saves (caper_jax.loop.StopRequest), and each stops with the same one line, status 143.
-    The run is the test above's (its compiled programs are in ``jax_cache``), without periodic saves, and
-    each step after the second waits 2 s (CAPER_TEST_STEP_SECONDS) so that the signal, sent once two
-    steps are logged, lands with 3 of the 5 steps still to run."""
+    host saves (caper_jax.loop.StopRequest), and each stops with the same one line, status 143."""
     workdir, logs = tmp_path / "w", tmp_path / "logs"
     workdir.mkdir()
-    proc = _local(jax_cache, workdir, logs, "--config.ckpt_every=1000", CAPER_TEST_STEP_SECONDS="2")
+    args = [arg if not arg.startswith("--config=") else "--config=configs/prm.py:steps=1000" for arg in CONFIG_ARGS]
+    args = [arg for arg in args if not arg.startswith("--config.ckpt_every")] + ["--config.ckpt_every=1000"]
+    proc = subprocess.Popen(["bash", str(REPO / "launch" / "local.sh"), "-n", "2", "-d", "4", "-l", str(logs), "--",
+                             sys.executable, "-m", "caper_jax.train", *args, f"--workdir={workdir}"],
+                            cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = workdir / "metrics.jsonl"
     _wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, proc, "two logged steps")
     os.kill(int((logs / "process_1.pid").read_text()), signal.SIGTERM)
@@ -188,8 +178,7 @@ def test_sigterm_to_one_host_makes_every_host_save_the_same_step(tmp_path, jax_c
                  if line.startswith("preempted:")] for i in (0, 1)}
     assert len(lines[0]) == len(lines[1]) == 1 and lines[0] == lines[1], (lines, out[-3000:])
     step = int(lines[0][0].split("saving step ")[1].split()[0])
-    assert _committed(workdir / "checkpoints", step) and 2 <= step < TOTAL_STEPS, sorted(
-        (workdir / "checkpoints").iterdir())
+    assert _committed(workdir / "checkpoints", step) and step >= 2, sorted((workdir / "checkpoints").iterdir())
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
 
 
