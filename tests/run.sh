@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command (README). Fast tests only: heavy measurements live in bench/.
+# The test command (README). Heavy measurements live in bench/, and tests marked `heavy` (a full-size
+# run whose path a small sibling test checks) are deselected unless CAPER_HEAVY=1 (tests/conftest.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The 2-process test runs alone after the rest: XLA's Gloo collectives give a peer 30 s to reach

@@ -95,14 +95,28 @@ def test_from_hf_reads_the_published_config(tmp_path):
 
 
 # -- the shape-faithful parity test --------------------------------------------------------------
+# One check, two sizes: every published 9B dimension (`heavy`: 2.46 B parameters, ~14 GB of RAM and
+# ~4 min on 2 cores; `CAPER_HEAVY=1 python -m pytest -m heavy tests/models/test_qwen35_9b_shapes.py`),
+# and the same path at SCALED_DOWN widths in the default suite: the release's file layout (sharded
+# bf16 safetensors + index, multimodal names, vision and MTP tensors), the loader, the bit-exact read,
+# the orbax round trip and the logits against transformers in bf16 and fp32.
 
 T = 24          # tokens per row: the DeltaNet chunk path with a partial chunk, and attention over a few keys
 
+# The 9B text_config's widths cut down, its ratios kept (4 query heads per KV head, twice as many
+# DeltaNet value heads as key heads, a quarter of the head rotated, MLP 3x hidden); every other key
+# (eps, rope theta, gates, activation) is the release's.
+SCALED_DOWN = dict(hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=2,
+                   head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+                   linear_value_head_dim=32)
 
-def two_layer_text_config(vocab_size: int) -> dict:
-    """The published text_config with the depth cut to one DeltaNet and one attention layer."""
+
+def two_layer_text_config(vocab_size: int, **widths) -> dict:
+    """The published text_config with the depth cut to one DeltaNet and one attention layer (and the
+    widths replaced by ``widths``, if given)."""
     text = dict(published()["text_config"])
-    text.update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], vocab_size=vocab_size)
+    text.update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], vocab_size=vocab_size,
+                **widths)
     if text["eos_token_id"] >= vocab_size:   # the small-vocabulary variant has no <|endoftext|>
         text["eos_token_id"] = None
     return text
@@ -212,7 +226,7 @@ def params_digest(model, config) -> dict[str, str]:
     return {name: _np_digest(array) for name, array in hf_state_dict(model, config)}
 
 
-@pytest.mark.slow   # 2.5 B parameters in bf16, written, loaded and checkpointed: ~5 GB of RAM and disk per copy
+@pytest.mark.heavy   # 2.46 B parameters in bf16, written, loaded and checkpointed: ~14 GB of RAM, ~4 min on 2 cores
 def test_shape_faithful_two_layer_model_matches_transformers_and_round_trips(tmp_path):
     """Every 9B dimension, depth cut to [DeltaNet, attention], compared with transformers twice:
 
@@ -229,6 +243,23 @@ def test_shape_faithful_two_layer_model_matches_transformers_and_round_trips(tmp
     Also: the loaded parameters are bit-identical to the tensors written (HF -> caper_jax is exact), and
     the bf16 model round-trips through an orbax checkpoint (caper_jax.checkpoint) bit-exactly.
     """
+    check_two_layer_parity(tmp_path, two_layer_text_config(248_320), two_layer_text_config(4096),
+                           shard_bytes=(2 * 2**30, 2**30), min_parameters=2_400_000_000)
+
+
+def test_scaled_down_two_layer_model_matches_transformers_and_round_trips(tmp_path):
+    """The shape-faithful test's whole path (release layout, loader, bit-exact read, orbax round trip, logits
+    against transformers in bf16 and fp32, same bounds) at SCALED_DOWN widths: what the heavy test
+    checks at 9B widths, except the sizes themselves, on every run of the suite."""
+    check_two_layer_parity(tmp_path, two_layer_text_config(8192, **SCALED_DOWN),
+                           two_layer_text_config(4096, **SCALED_DOWN),
+                           shard_bytes=(2**20, 2**20), min_parameters=4_000_000, widths=SCALED_DOWN)
+
+
+def check_two_layer_parity(tmp_path, bf16_text: dict, fp32_text: dict, shard_bytes: tuple[int, int],
+                           min_parameters: int, widths: dict | None = None) -> None:
+    """bf16 at ``bf16_text`` (written as released in shards of ``shard_bytes[0]``), loaded, read bit-exactly,
+    compared with transformers and round-tripped through orbax; then fp32 at ``fp32_text``."""
     import jax
     import torch
 
@@ -236,16 +267,16 @@ def test_shape_faithful_two_layer_model_matches_transformers_and_round_trips(tmp
     from flax import nnx
 
     timings = {}
-    ids = np.random.default_rng(0).integers(0, 248_320, (2, T))
+    ids = np.random.default_rng(0).integers(0, bf16_text["vocab_size"], (2, T))
 
-    # -- bf16, real vocabulary ---------------------------------------------------------------------
+    # -- bf16 ------------------------------------------------------------------------------------------
     start = time.perf_counter()
-    text = two_layer_text_config(248_320)
+    text = bf16_text
     hf_dir = tmp_path / "bf16"
     hf_dir.mkdir()
     model = build_torch_model(text, torch.bfloat16, seed=0)
-    assert sum(p.numel() for p in model.parameters()) > 2_400_000_000
-    written = write_as_released(model, hf_dir, text, shard_bytes=2 * 2**30)
+    assert sum(p.numel() for p in model.parameters()) > min_parameters
+    written = write_as_released(model, hf_dir, text, shard_bytes=shard_bytes[0])
     assert len(set(json.loads((hf_dir / "model.safetensors.index.json").read_text())["weight_map"].values())) >= 3
     expected = torch_logits(model, ids)
     del model
@@ -255,12 +286,14 @@ def test_shape_faithful_two_layer_model_matches_transformers_and_round_trips(tmp
     start = time.perf_counter()
     ours, config = from_hf(hf_dir, dtype="bfloat16")
     assert config == Qwen35Config.qwen35_9b(num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
-                                            dtype="bfloat16", param_dtype="bfloat16")
+                                            dtype="bfloat16", param_dtype="bfloat16",
+                                            vocab_size=text["vocab_size"], eos_token_id=text["eos_token_id"],
+                                            **(widths or {}))
     assert params_digest(ours, config) == written          # every tensor read bit-exactly
     logits = jax_logits(ours, ids)
     scale = np.abs(expected).max()
     bf16_error = np.abs(logits - expected).max()
-    print(f"bf16, vocab 248320: max |logit| {scale:.3f}, max |Δlogit| {bf16_error:.4f}, "
+    print(f"bf16, vocab {text['vocab_size']}: max |logit| {scale:.3f}, max |Δlogit| {bf16_error:.4f}, "
           f"mean |Δ| {np.abs(logits - expected).mean():.5f}")
     assert bf16_error <= 2 ** -4 * scale, (bf16_error, scale)
     assert (logits.argmax(-1) == expected.argmax(-1)).mean() >= 0.9
@@ -284,14 +317,14 @@ def test_shape_faithful_two_layer_model_matches_transformers_and_round_trips(tmp
     gc.collect()
     timings["orbax round trip"] = (round(time.perf_counter() - start, 1), _peak_gib())
 
-    # -- fp32, same dimensions, 4,096-token vocabulary -----------------------------------------------
+    # -- fp32, same dimensions, a smaller vocabulary -----------------------------------------------------
     start = time.perf_counter()
-    text = two_layer_text_config(4096)
+    text = fp32_text
     hf_dir = tmp_path / "fp32"
     hf_dir.mkdir()
     model = build_torch_model(text, torch.float32, seed=1)
-    write_as_released(model, hf_dir, text, shard_bytes=2**30)
-    small_ids = ids % 4096
+    write_as_released(model, hf_dir, text, shard_bytes=shard_bytes[1])
+    small_ids = ids % text["vocab_size"]
     expected = torch_logits(model, small_ids)
     del model
     gc.collect()
@@ -299,7 +332,7 @@ def test_shape_faithful_two_layer_model_matches_transformers_and_round_trips(tmp
     logits = jax_logits(ours, small_ids)
     scale = np.abs(expected).max()
     fp32_error = np.abs(logits - expected).max()
-    print(f"fp32, vocab 4096: max |logit| {scale:.3f}, max |Δlogit| {fp32_error:.2e}")
+    print(f"fp32, vocab {text['vocab_size']}: max |logit| {scale:.3f}, max |Δlogit| {fp32_error:.2e}")
     assert fp32_error <= 1e-4 * scale, (fp32_error, scale)
     timings["fp32"] = (round(time.perf_counter() - start, 1), _peak_gib())
     print("seconds, peak RSS so far (GiB):", timings)
