@@ -207,9 +207,8 @@ def test_the_settings_classes_hold_no_defaults_and_are_frozen():
 # -- code reads fields: no config.get(key, default), getattr(config, key, default) or "key" in config
 
 SETTINGS_NAMES = {"config", "settings"}
-# Not settings: modules that read a SAVED run's config.json (a file, in whatever layout it was saved), and
-# parallel/mesh.py's mesh_from_config (a mapping or object of the parallel package's own, no trainer's).
-NOT_SETTINGS = {"caper_jax/upgrade_run.py", "caper_jax/runs.py", "caper_jax/parallel/mesh.py"}
+# Not settings: modules that read a SAVED run's config.json (a file, in whatever layout it was saved).
+NOT_SETTINGS = {"caper_jax/upgrade_run.py", "caper_jax/runs.py"}
 
 
 def _root(node: ast.AST) -> str | None:

@@ -79,12 +79,3 @@ def make_mesh(
         # keeps each process's devices contiguous on the innermost axes.
         device_array = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(device_array, axis_names, axis_types=(AxisType.Auto,) * len(axis_names))
-
-
-def mesh_from_config(config: Mapping | object) -> Mesh:
-    """Mesh from ``config.mesh_shape`` (sequence or mapping) and optional ``config.mesh_axes``."""
-    get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
-    shape = get("mesh_shape", (1, -1, 1))
-    if hasattr(shape, "to_dict"):  # ml_collections.ConfigDict
-        shape = shape.to_dict()
-    return make_mesh(shape, tuple(get("mesh_axes", MESH_AXES)))

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
-from caper_jax.parallel.mesh import MeshShapeError, make_mesh, mesh_from_config, resolve_mesh_shape
+from caper_jax.parallel.mesh import MeshShapeError, make_mesh, resolve_mesh_shape
 from caper_jax.parallel.rules import DEFAULT_RULES, LogicalAxisError, logical_to_spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,7 +54,7 @@ def test_resolve_mesh_shape_fills_one_axis():
 
 
 def test_make_mesh_uses_auto_axes_and_config_mapping():
-    mesh = mesh_from_config({"mesh_shape": {"data": 1, "fsdp": -1}})
+    mesh = make_mesh({"data": 1, "fsdp": -1})
     assert dict(mesh.shape) == {"data": 1, "fsdp": jax.device_count(), "tensor": 1}
     assert mesh.axis_types == (AxisType.Auto,) * 3
     with pytest.raises(MeshShapeError, match="unknown mesh axes"):
