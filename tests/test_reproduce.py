@@ -201,7 +201,7 @@ def test_report_without_held_out_failures_says_so(tmp_path):
     (["--config=configs/reproduce.py", "--config.sft.optim.lrr=1"],
      "unknown config key 'sft.optim.lrr'; did you mean ['sft.optim.lr'"),
     (["--config=configs/reproduce.py", "--config.report.rerank=max"], "report.rerank='max' is not in"),
-    (["--config=configs/reproduce.py", "--config.prm_init=hf"], "prm_init='hf'; expected one of"),
+    (["--config=configs/reproduce.py", "--config.prm_init=hf"], "prm_init='hf'; expected 'sft' or 'random'"),
     (["--config=configs/reproduce.py", "--config.grpo.rl.group_size=0"], "grpo."),
     (["--config=configs/reproduce.py:seeds=0"], "seeds=() must be non-empty"),
     (["--config=configs/reproduce.py", "--config.eval.sampling.k=1"], "eval.sampling.k must be >= 2"),

@@ -74,7 +74,7 @@ def test_fast_verifier_runs_every_stage(tmp_path):
     (["--config.data.systems=('nope.sql',)"], "data.systems: 'nope.sql' is not in"),
     (["--config.data.spider_dir=/nonexistent"], "data.spider_dir='/nonexistent' is not a directory"),
     (["--config.eval.sampling.k=1"], "eval.sampling.k must be >= 2"),
-    (["--config.prm.model.preset=big"], "prm: model.preset='big'"),
+    (["--config.prm.model.preset=big"], "prm.model.preset='big'"),
     (["--config.report.pick_questions=2000"], "report.pick_held_back leaves the PRM no sampled question"),
 ])
 def test_bad_verifier_config_is_one_clear_error(args, message, tmp_path):

@@ -89,12 +89,13 @@ def test_stream_equals_record_by_record_annotation_and_resumes(manual_dir, expec
 
 
 def test_tfds_build_reads_back_without_tensorflow(manual_dir, expected, tmp_path):
-    from caper_jax.annotate import run_build
+    from caper_jax.annotate import AnnotateSettings, run_build
+    from caper_jax.settings import from_config
     from configs import annotate as annotate_config
     config = annotate_config.get_config("spider,per_query=2")
     config.data.manual_dir = str(manual_dir)
     config.data_dir = str(tmp_path)
-    summary = run_build(config)["dev"]
+    summary = run_build(from_config(AnnotateSettings, config))["dev"]
     assert summary["trajectories"] == 7
     flat = [t for tuples in expected for t in tuples]
     assert summary["sources"] == {"mutation": 5, "counterfactual": 1, "correct": 1} and summary["errors"] == {}

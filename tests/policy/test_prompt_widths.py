@@ -7,6 +7,8 @@ import pytest
 
 from caper_jax.policy.prompts import check_prompt_widths, prompt_batch, prompt_width
 from caper_jax.rl import dry_run as plan_lib
+from caper_jax.rl.settings import GrpoSettings
+from caper_jax.settings import from_config, replace
 from configs.grpo import get_config
 
 
@@ -56,6 +58,8 @@ def test_programs_a_run_compiles_before_and_after_the_ladder():
     once more per width when steps that do not log skip the entropy."""
     config = get_config("model=qwen35_9b,variant=clause")
     config.rl.prompts_per_step, config.optim.total_steps = 4, 60
+    config.prm.workdir = "(a PRM run)"   # the clause variant names one; nothing here reads it
+    config = from_config(GrpoSettings, config)
     lengths = np.random.default_rng(0).integers(100, 900, 200).tolist()
     before = plan_lib.widths_over_run(lengths, config, plan_lib.rounded_width(64, 1920))
     after = plan_lib.widths_over_run(lengths, config, lambda n: prompt_width(n, config.sampling.prompt_widths))
@@ -67,14 +71,14 @@ def test_programs_a_run_compiles_before_and_after_the_ladder():
 
     first = next(prompt_iterator(len(lengths), 4, config.seed))
     assert before[0] == -(-max(lengths[i] for i in first) // 64) * 64
-    config.log_every = 1
+    config = replace(config, {"log_every": 1})
     counts_before = plan_lib.programs_compiled(before, config, entropy_every_step=True)
     counts_after = plan_lib.programs_compiled(after, config)
     assert counts_before == dict.fromkeys(("prefill", "decode", "prm", "reference", "update"), len(set(before)))
     assert counts_after == dict.fromkeys(("prefill", "decode", "prm", "reference", "update"), len(set(after)))
     assert len(set(before)) > 6 and len(set(after)) <= 2
-    config.log_every = 10          # steps 10, 20, ..., 60 log: an update variant per (width, logging) met
+    config = replace(config, {"log_every": 10})   # steps 10, 20, ..., 60 log: one update per (width, logging)
     pairs = {(w, s % 10 == 0) for s, w in enumerate(after, start=1)}
     assert plan_lib.programs_compiled(after, config)["update"] == len(pairs) > len(set(after))
-    config.rl.beta, config.reward.variant = 0.0, "sparse"
+    config = replace(config, {"rl.beta": 0.0, "reward.variant": "sparse", "prm.workdir": ""})
     assert plan_lib.programs_compiled(after, config)["reference"] == plan_lib.programs_compiled(after, config)["prm"] == 0

@@ -22,6 +22,7 @@ def _child() -> dict:
     config.model.dtype = "bfloat16"   # as the 9B config: the frozen PRM and reference held in bf16
     config.prm.workdir = "(dry run)"
     config.sampling.max_prompt_len, config.sampling.max_new_tokens = 16, 4
+    config.sampling.prompt_widths = (16,)   # the ladder ends at max_prompt_len (checked by the settings)
     config.rl.group_size, config.rl.prompts_per_step, config.rl.num_minibatches = 2, 2, 2
     result = plan_lib.plan(validate(config), make_mesh((1, -1, 1)), print_fn=None)
     out = {k: v for k, v in result.items() if k != "programs"}
