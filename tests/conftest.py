@@ -18,6 +18,14 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+# Tests compile at LLVM -O0: the suite's programs are tiny, so most of its time was LLVM optimising
+# code that then runs for milliseconds (tests/models/test_remat.py + test_unroll.py: 56 s -> 34 s on 2
+# cores, cold cache). XLA's fusion and its library calls (dots) are the same; only the code LLVM emits
+# around them differs, so results differ from -O2 in the last bits (no FMA contraction), well inside
+# every tolerance here. Commands, benchmarks and bench/ children keep XLA's default. Subprocesses
+# inherit it; tests that set their own XLA_FLAGS add to it (tests/helpers.xla_flags).
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import pytest  # noqa: E402
 
@@ -26,13 +34,18 @@ from tests.helpers import require, spider_dir  # noqa: E402
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `heavy` (full-size measurements; a small sibling checks the same path) run only with
-    CAPER_HEAVY=1 or when -m names them (`CAPER_HEAVY=1 bash tests/run.sh`, `pytest -m heavy ...`)."""
-    if os.environ.get("CAPER_HEAVY") == "1" or "heavy" in (config.getoption("markexpr") or ""):
-        return
-    heavy = [item for item in items if item.get_closest_marker("heavy")]
-    if heavy:
-        config.hook.pytest_deselected(items=heavy)
-        items[:] = [item for item in items if not item.get_closest_marker("heavy")]
+    CAPER_HEAVY=1 or when -m names them (`CAPER_HEAVY=1 bash tests/run.sh`, `pytest -m heavy ...`).
+
+    Files holding a `slow` test run first, the rest after, each group in its usual order: pytest-xdist
+    hands files to the two workers in this order (tests/run.sh, --dist loadfile), and the longest jobs
+    first keep one worker from running the last end-to-end file while the other sits idle."""
+    if not (os.environ.get("CAPER_HEAVY") == "1" or "heavy" in (config.getoption("markexpr") or "")):
+        heavy = [item for item in items if item.get_closest_marker("heavy")]
+        if heavy:
+            config.hook.pytest_deselected(items=heavy)
+            items[:] = [item for item in items if not item.get_closest_marker("heavy")]
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)   # stable: order within each group is kept
 
 
 @pytest.fixture(scope="session")

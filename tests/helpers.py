@@ -33,6 +33,12 @@ def require(path: pathlib.Path) -> pathlib.Path:
     pytest.skip(message)
 
 
+def xla_flags(device_count: int) -> str:
+    """XLA_FLAGS for a child process with ``device_count`` simulated CPU devices, keeping the suite's own
+    flags (tests/conftest.py)."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={device_count}".strip()
+
+
 def run_train(*args: str, tmp_path=None, fresh: bool = False) -> subprocess.CompletedProcess:
     """``python -m caper_jax.train ARGS --workdir=<tmp_path>/w`` (without tmp_path: ARGS alone) from the
     repo root, output captured.

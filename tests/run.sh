@@ -12,7 +12,9 @@ case "${GLIBC_TUNABLES:-}" in
   *glibc.malloc.hugetlb*) ;;
   *) export GLIBC_TUNABLES="${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.hugetlb=1" ;;
 esac
-python -m pytest -q -n 2 --dist loadfile --durations=25 tests --ignore="$SERIAL" "$@"
+# Whole files per worker (module fixtures build once), in collection order: tests/conftest.py puts the
+# files with end-to-end tests first (xdist would otherwise start with the files holding the most tests).
+python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests --ignore="$SERIAL" "$@"
 rc=$?
 python -m pytest -q -p no:xdist "$SERIAL" "$@"
 rc2=$?

@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 from caper_jax import convert
 from caper_jax.models import from_hf, to_hf
 from caper_jax.models.hf_io import CheckpointError
-from tests.helpers import build_hf_model, run_command
+from tests.helpers import build_hf_model, run_command, xla_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -164,7 +164,7 @@ print(json.dumps({
 
 def test_loading_onto_a_mesh_places_each_tensor_on_its_sharding(hf_dirs):
     """4 simulated devices (a subprocess: this process already initialised JAX with one)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     result = subprocess.run(
         [sys.executable, "-c", _MESH_SCRIPT, str(hf_dirs["untied"])], env=env, capture_output=True, text=True, timeout=300
     )

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from caper_jax.parallel.dry_run import jaxpr_matmul_flops, report
 from caper_jax.parallel.mesh import make_mesh
+from tests.helpers import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 M, K, N, L = 32, 48, 48, 5  # K == N: the scanned layer maps [M, K] to [M, K]
@@ -102,7 +103,7 @@ def _fsdp8_child() -> dict:
 
 
 def test_report_on_eight_devices_counts_per_device_shards():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, "-m", "tests.parallel.test_dry_run", "fsdp8"],

@@ -24,6 +24,7 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 from caper_jax.parallel.mesh import MeshShapeError, make_mesh, resolve_mesh_shape
 from caper_jax.parallel.rules import DEFAULT_RULES, LogicalAxisError, logical_to_spec
+from tests.helpers import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MESH_2x2x2 = AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
@@ -98,7 +99,7 @@ def _free_port() -> int:
 
 
 def _child_env(device_count: int, **extra: str) -> dict[str, str]:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={device_count}", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(device_count), JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env

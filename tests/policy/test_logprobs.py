@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from caper_jax.policy.logprobs import token_logprobs
+from tests.helpers import xla_flags
 
 
 def numpy_logprobs(hidden, head, targets, temperature=1.0):
@@ -194,7 +195,7 @@ assert out.sharding.spec == P("data") and gw.sharding.spec == P(None, "tensor"),
 def test_sharded_batch_and_vocab_on_eight_cpu_devices():
     # A fresh process: the simulated device count must be set before jax initialises.
     repo = pathlib.Path(__file__).resolve().parents[2]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8),
            "PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"}
     result = subprocess.run([sys.executable, "-c", SHARDED_CHECK], env=env, capture_output=True,
                             text=True, timeout=300)

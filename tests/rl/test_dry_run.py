@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.helpers import xla_flags
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -33,7 +35,7 @@ def _child() -> dict:
 
 @pytest.mark.slow   # an end-to-end run or a large compile: CI runs it, `-m "not slow"` skips it
 def test_grpo_step_programs_and_resident_memory():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(2), JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-m", "tests.rl.test_dry_run", "child"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)

@@ -209,7 +209,8 @@ class Recorder:
 @pytest.mark.parametrize("variant,beta", [("sparse", 0.0), ("token", 0.0), ("clause", 0.04)])
 def test_end_to_end_and_resume(variant, beta, world, prm_run, tmp_path, monkeypatch):
     """Sampled rollouts (a random policy's: its completions need not parse); the PRM scores the layout gets
-    are the PRM's scores of the sampled completion's prefixes (none for sparse)."""
+    are the PRM's scores of the sampled completion's prefixes (none for sparse). The clause run (frozen PRM,
+    reference model, KL) is then resumed for one more step."""
     config = e2e_config(world[0], variant, beta)
     config.prm.workdir = str(prm_run) if variant != "sparse" else ""
     recorder = Recorder(monkeypatch)
@@ -241,6 +242,8 @@ def test_end_to_end_and_resume(variant, beta, world, prm_run, tmp_path, monkeypa
     units = train_rows[-1]["rollout/units_per_sample"]
     assert units == 1.0 if variant == "sparse" else units >= 1.0
 
+    if variant != "clause":   # resuming is the same code for every variant: the one with the most parts
+        return
     config.optim.total_steps = 3
     T.run(T.validate(config), str(tmp_path))
     steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "rollout/reward_mean" in r]
