@@ -18,14 +18,19 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
-# Tests compile at LLVM -O0: the suite's programs are tiny, so most of its time was LLVM optimising
-# code that then runs for milliseconds (tests/models/test_remat.py + test_unroll.py: 56 s -> 34 s on 2
-# cores, cold cache). XLA's fusion and its library calls (dots) are the same; only the code LLVM emits
-# around them differs, so results differ from -O2 in the last bits (no FMA contraction), well inside
-# every tolerance here. Commands, benchmarks and bench/ children keep XLA's default. Subprocesses
-# inherit it; tests that set their own XLA_FLAGS add to it (tests/helpers.xla_flags).
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# Tests compile for compile speed: the suite's programs are tiny, so most of its time was XLA compiling
+# code that then runs for milliseconds. LLVM at -O0, and XLA:CPU's older loop emitters for fusions instead
+# of its MLIR fusion emitters: tests/prm/test_step.py's train step compiles in 8.0 s with XLA's defaults,
+# 4.0 s at -O0, 2.7 s with both (the older emitters alone, at -O2: 23.9 s); test_remat.py + test_unroll.py +
+# test_step.py took 83 s with -O0 and 59 s with both (2 cores, cold cache). The HLO XLA optimises and its
+# library calls (dots) are the same; only the code around them differs, so results move in the last bits
+# (no FMA contraction), well inside every tolerance here. Commands, benchmarks and bench/ children keep
+# XLA's defaults. Subprocesses inherit these; tests that set their own XLA_FLAGS add to them
+# (tests/helpers.xla_flags).
+SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+for flag in SUITE_XLA_FLAGS:
+    if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 import pytest  # noqa: E402
 
