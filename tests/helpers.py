@@ -39,6 +39,16 @@ def xla_flags(device_count: int) -> str:
     return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={device_count}".strip()
 
 
+def simulated_devices_env(device_count: int, **extra: str) -> dict[str, str]:
+    """The environment of a child process (``python -m tests...`` or ``-c``) that runs JAX on ``device_count``
+    simulated CPU devices and imports this repo: the device count must be set before JAX starts, so a test
+    whose own process already runs JAX starts a child."""
+    env = dict(os.environ, XLA_FLAGS=xla_flags(device_count), JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
 def run_train(*args: str, tmp_path=None, fresh: bool = False) -> subprocess.CompletedProcess:
     """``python -m caper_jax.train ARGS --workdir=<tmp_path>/w`` (without tmp_path: ARGS alone) from the
     repo root, output captured.

@@ -14,8 +14,9 @@ import os
 import sys
 
 if __name__ == "__main__":  # a child process: simulated CPU devices, set before jax is imported
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={2 if sys.argv[1] == 'host' else 4}")
+    from tests.helpers import xla_flags
+
+    os.environ["XLA_FLAGS"] = xla_flags(2 if sys.argv[1] == "host" else 4)
 
 import functools
 import json

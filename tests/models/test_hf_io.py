@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 from caper_jax import convert
 from caper_jax.models import from_hf, to_hf
 from caper_jax.models.hf_io import CheckpointError
-from tests.helpers import build_hf_model, run_command, xla_flags
+from tests.helpers import build_hf_model, run_command, simulated_devices_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -164,9 +163,8 @@ print(json.dumps({
 
 def test_loading_onto_a_mesh_places_each_tensor_on_its_sharding(hf_dirs):
     """4 simulated devices (a subprocess: this process already initialised JAX with one)."""
-    env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     result = subprocess.run(
-        [sys.executable, "-c", _MESH_SCRIPT, str(hf_dirs["untied"])], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _MESH_SCRIPT, str(hf_dirs["untied"])], env=simulated_devices_env(4), capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from caper_jax.parallel.dry_run import jaxpr_matmul_flops, report
 from caper_jax.parallel.mesh import make_mesh
-from tests.helpers import xla_flags
+from tests.helpers import simulated_devices_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 M, K, N, L = 32, 48, 48, 5  # K == N: the scanned layer maps [M, K] to [M, K]
@@ -103,8 +103,7 @@ def _fsdp8_child() -> dict:
 
 
 def test_report_on_eight_devices_counts_per_device_shards():
-    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env = simulated_devices_env(8)
     proc = subprocess.run(
         [sys.executable, "-m", "tests.parallel.test_dry_run", "fsdp8"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,

@@ -24,7 +24,7 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 from caper_jax.parallel.mesh import MeshShapeError, make_mesh, resolve_mesh_shape
 from caper_jax.parallel.rules import DEFAULT_RULES, LogicalAxisError, logical_to_spec
-from tests.helpers import xla_flags
+from tests.helpers import simulated_devices_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MESH_2x2x2 = AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
@@ -98,13 +98,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child_env(device_count: int, **extra: str) -> dict[str, str]:
-    env = dict(os.environ, XLA_FLAGS=xla_flags(device_count), JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
-
-
 def _multihost_child() -> dict:
     from jax.sharding import NamedSharding
 
@@ -132,7 +125,7 @@ def test_two_processes_build_one_global_batch():
         subprocess.Popen(
             [sys.executable, "-m", "tests.parallel.test_sharding", "multihost"],
             cwd=REPO,
-            env=_child_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
+            env=simulated_devices_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -228,7 +221,7 @@ def _mesh8_child() -> dict:
 def mesh8():
     proc = subprocess.run(
         [sys.executable, "-m", "tests.parallel.test_sharding", "mesh8"],
-        cwd=REPO, env=_child_env(8), capture_output=True, text=True, timeout=600,
+        cwd=REPO, env=simulated_devices_env(8), capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

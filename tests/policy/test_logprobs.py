@@ -1,6 +1,4 @@
 """token_logprobs against a full-softmax reference (values, entropy, gradients) and its memory."""
-import os
-import pathlib
 import subprocess
 import sys
 
@@ -10,7 +8,7 @@ import numpy as np
 import pytest
 
 from caper_jax.policy.logprobs import token_logprobs
-from tests.helpers import xla_flags
+from tests.helpers import simulated_devices_env
 
 
 def numpy_logprobs(hidden, head, targets, temperature=1.0):
@@ -194,10 +192,7 @@ assert out.sharding.spec == P("data") and gw.sharding.spec == P(None, "tensor"),
 
 def test_sharded_batch_and_vocab_on_eight_cpu_devices():
     # A fresh process: the simulated device count must be set before jax initialises.
-    repo = pathlib.Path(__file__).resolve().parents[2]
-    env = {**os.environ, "XLA_FLAGS": xla_flags(8),
-           "PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, "-c", SHARDED_CHECK], env=env, capture_output=True,
+    result = subprocess.run([sys.executable, "-c", SHARDED_CHECK], env=simulated_devices_env(8), capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import xla_flags
+from tests.helpers import simulated_devices_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,8 +35,7 @@ def _child() -> dict:
 
 @pytest.mark.slow   # an end-to-end run or a large compile: CI runs it, `-m "not slow"` skips it
 def test_grpo_step_programs_and_resident_memory():
-    env = dict(os.environ, XLA_FLAGS=xla_flags(2), JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env = simulated_devices_env(2)
     proc = subprocess.run([sys.executable, "-m", "tests.rl.test_dry_run", "child"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
