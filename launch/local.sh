@@ -18,11 +18,12 @@ set -euo pipefail
 
 usage() {   # usage [STATUS]: asked for (-h, --help) on stdout with 0; a bad command line on stderr with 2
   local status="${1:-2}"
-  local text='usage: launch/local.sh [-n NUM_PROCESSES] [-d CPU_DEVICES_PER_PROCESS] [-p PORT] [-l LOG_DIR] -- COMMAND [ARGS...]
+  local text='usage: launch/local.sh [-n NUM_PROCESSES] [-d CPU_DEVICES_PER_PROCESS] [-p PORT] [-l LOG_DIR] [-g SECONDS] -- COMMAND [ARGS...]
   -n  processes to start (default 2)
   -d  simulate this many CPU devices per process (default: use the real devices)
   -p  coordinator port on 127.0.0.1 (default: a free port)
-  -l  directory for process_<i>.log and process_<i>.pid (default: a new temporary directory)'
+  -l  directory for process_<i>.log and process_<i>.pid (default: a new temporary directory)
+  -g  seconds a stopped process gets between SIGTERM and SIGKILL (default 10)'
   if [[ "$status" == 0 ]]; then echo "$text"; else echo "$text" >&2; fi
   exit "$status"
 }
@@ -32,12 +33,14 @@ num_processes=2
 cpu_devices=""
 port=""
 log_dir=""
-while getopts "n:d:p:l:h" opt; do
+grace=10
+while getopts "n:d:p:l:g:h" opt; do
   case "$opt" in
     n) num_processes="$OPTARG" ;;
     d) cpu_devices="$OPTARG" ;;
     p) port="$OPTARG" ;;
     l) log_dir="$OPTARG" ;;
+    g) grace="$OPTARG" ;;
     h) usage 0 ;;
     *) usage ;;
   esac
@@ -47,6 +50,7 @@ shift $((OPTIND - 1))
 [[ $# -gt 0 ]] || usage
 [[ "$num_processes" =~ ^[1-9][0-9]*$ ]] || { echo "error: -n must be a positive integer" >&2; exit 2; }
 [[ -z "$cpu_devices" || "$cpu_devices" =~ ^[1-9][0-9]*$ ]] || { echo "error: -d must be a positive integer" >&2; exit 2; }
+[[ "$grace" =~ ^[0-9]+$ ]] || { echo "error: -g must be a whole number of seconds" >&2; exit 2; }
 
 if [[ -z "$port" ]]; then
   # Ask the kernel for a free port; a fixed default would collide with a previous run in TIME_WAIT.
@@ -60,10 +64,11 @@ stop_all() {
   local signal="$1"
   for pid in "${pids[@]}"; do kill "-$signal" "$pid" 2>/dev/null || true; done
 }
-# A process blocked in a collective may ignore SIGTERM for a while; escalate after a grace period.
+# A process blocked in a collective may ignore SIGTERM for a while (one whose peer crashed waits in it
+# until killed); escalate to SIGKILL after the grace period.
 stop_and_reap() {
   stop_all TERM
-  for _ in $(seq 50); do
+  for _ in $(seq $((5 * grace))); do
     local alive=0
     for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
     [[ $alive == 0 ]] && return

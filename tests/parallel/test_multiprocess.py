@@ -74,8 +74,10 @@ def _worker(workdir: pathlib.Path) -> list[str]:
 
 
 def _local(tmp: pathlib.Path, workdir: pathlib.Path, logs: pathlib.Path, **env: str) -> subprocess.Popen:
-    return subprocess.Popen(["bash", str(REPO / "launch" / "local.sh"), "-n", "2", "-d", "2", "-l", str(logs), "--",
-                             *_worker(workdir)], cwd=REPO, env=_env(tmp, **env),
+    # -g 1: after the crash, process 0 waits in a collective for its dead peer and ignores SIGTERM; local.sh
+    # kills it after 1 s instead of its default 10 (test_local_sh_kills_a_process_that_ignores_sigterm).
+    return subprocess.Popen(["bash", str(REPO / "launch" / "local.sh"), "-n", "2", "-d", "2", "-g", "1", "-l", str(logs),
+                             "--", *_worker(workdir)], cwd=REPO, env=_env(tmp, **env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -211,6 +213,22 @@ def _fake_bin(tmp: pathlib.Path, name: str, body: str) -> None:
 def test_launchers_are_valid_bash():
     for script in ("local.sh", "tpu_pod.sh", "gpu_slurm.sbatch"):
         subprocess.run(["bash", "-n", str(REPO / "launch" / script)], check=True)
+
+
+def test_local_sh_kills_a_process_that_ignores_sigterm(tmp_path):
+    """Process 1 fails; process 0 ignores SIGTERM (as one waiting in a collective for a dead peer does): local.sh
+    sends it SIGKILL once the -g grace is over and exits with the failed process's status."""
+    script = 'if [ "$JAX_PROCESS_ID" = 1 ]; then exit 3; fi; trap "" TERM; exec sleep 60'
+    start = time.monotonic()
+    proc = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "-n", "2", "-g", "1", "-l", str(tmp_path), "--",
+                           "bash", "-c", script], capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 3, proc.stderr
+    assert "exited with status 3; stopping the others" in proc.stderr
+    assert 1.0 <= elapsed < 8, elapsed   # TERM ignored for the 1-s grace, then KILL: not the default 10 s, nor 60
+    bad = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "-g", "soon", "--", "true"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: -g must be a whole number of seconds"
 
 
 def test_slurm_launcher_wires_every_task_to_the_first_node(tmp_path):
