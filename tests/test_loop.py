@@ -143,6 +143,30 @@ def _events(path):
         offset += 12 + length + 4
 
 
+def test_metric_writer_writes_tensorboard_scalars_without_importing_torch(tmp_path):
+    """torch is installed here (a test dependency): tensorboardX would import it (1.4 s, ~200 MB) in every
+    process that writes metrics. A fresh process writes two scalars; torch was never imported, is importable
+    afterwards, and the event file holds both values."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from tests.helpers import REPO
+
+    code = ("import sys; from caper_jax.utils.monitoring import MetricWriter; "
+            f"w = MetricWriter({str(tmp_path)!r}); w.write(3, {{'train/loss': 0.25, 'eval/x y': np.float32(2)}}); "
+            "print('torch' in sys.modules); import torch; print(torch.ones(1).item())")
+    out = subprocess.run([sys.executable, "-c", "import numpy as np; " + code], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "1.0"]
+    scalars = {value.tag: (event.step, value.simple_value) for path in (tmp_path / "tensorboard").iterdir()
+               for event in _events(path) for value in event.summary.value}
+    assert scalars == {"train/loss": (3, 0.25), "eval/x_y": (3, 2.0)}
+    assert np.isfinite(read_metrics(tmp_path / "metrics.jsonl")[0]["train/loss"])
+
+
 def test_loop_stops_on_consecutive_refused_updates(tmp_path):
     run, state = _toy_run(tmp_path)
 
