@@ -25,10 +25,14 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 # 4.0 s at -O0, 2.7 s with both (the older emitters alone, at -O2: 23.9 s); test_remat.py + test_unroll.py +
 # test_step.py took 83 s with -O0 and 59 s with both (2 cores, cold cache). The HLO XLA optimises and its
 # library calls (dots) are the same; only the code around them differs, so results move in the last bits
-# (no FMA contraction), well inside every tolerance here. Commands, benchmarks and bench/ children keep
-# XLA's defaults. Subprocesses inherit these; tests that set their own XLA_FLAGS add to them
-# (tests/helpers.xla_flags).
-SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+# (no FMA contraction), well inside every tolerance here. And each program's LLVM module in one piece: XLA:CPU
+# splits it into up to 32 to compile them on parallel threads, which on 2 cores shared by 2 test workers only adds
+# each piece's overhead (two workers' worth of compile-heavy files, run at once as the suite runs them: 52.5 s
+# -> 47.2 s wall, 97.9 -> 88.3 s of CPU, means of 4 and 3 interleaved runs; results again move by ulps only).
+# Commands, benchmarks and bench/ children keep XLA's defaults. Subprocesses inherit these; tests that set their
+# own XLA_FLAGS add to them (tests/helpers.xla_flags).
+SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+                   "--xla_cpu_parallel_codegen_split_count=1")
 for flag in SUITE_XLA_FLAGS:
     if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
