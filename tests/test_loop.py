@@ -150,21 +150,18 @@ def test_metric_writer_writes_tensorboard_scalars_without_importing_torch(tmp_pa
     import subprocess
     import sys
 
-    import numpy as np
-
     from tests.helpers import REPO
 
-    code = ("import sys; from caper_jax.utils.monitoring import MetricWriter; "
+    code = ("import sys; import numpy as np; from caper_jax.utils.monitoring import MetricWriter; "
             f"w = MetricWriter({str(tmp_path)!r}); w.write(3, {{'train/loss': 0.25, 'eval/x y': np.float32(2)}}); "
             "print('torch' in sys.modules); import torch; print(torch.ones(1).item())")
-    out = subprocess.run([sys.executable, "-c", "import numpy as np; " + code], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "1.0"]
     scalars = {value.tag: (event.step, value.simple_value) for path in (tmp_path / "tensorboard").iterdir()
                for event in _events(path) for value in event.summary.value}
     assert scalars == {"train/loss": (3, 0.25), "eval/x_y": (3, 2.0)}
-    assert np.isfinite(read_metrics(tmp_path / "metrics.jsonl")[0]["train/loss"])
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 3, "train/loss": 0.25, "eval/x y": 2.0}]
 
 
 def test_loop_stops_on_consecutive_refused_updates(tmp_path):
