@@ -10,15 +10,18 @@ import pathlib
 # XLA's on-disk compilation cache for the test session and every subprocess it starts (JAX reads these
 # at import, so they are set before anything imports jax). Most of the suite's time is compiling the
 # same tiny models' programs: the second of two tests (or runs of the suite) that compile one program
-# loads it instead, bit-identical. A size limit turns on JAX's file lock, which the two xdist workers
-# need to share the directory. Set JAX_COMPILATION_CACHE_DIR to move it (an empty value turns it off).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      str(pathlib.Path(__file__).resolve().parents[1] / ".pytest_cache" / "xla"))
+# loads it instead, bit-identical. One directory per xdist worker, without a size limit: a limit turns on
+# JAX's LRU eviction, whose every write lists and stats the whole directory, and with ~1,400 entries a
+# write took 58 ms (79 s of the main run's CPU in 1,364 writes; 13 s without the limit). Without a limit JAX
+# takes no file lock, so the two workers do not share one directory (the controller's choice, inherited by
+# the workers, gets the worker's name). Set JAX_COMPILATION_CACHE_DIR elsewhere to move it (empty: off).
+_XLA_CACHE = pathlib.Path(__file__).resolve().parents[1] / ".pytest_cache" / "xla"
+if os.environ.get("JAX_COMPILATION_CACHE_DIR", str(_XLA_CACHE)).startswith(str(_XLA_CACHE)):
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_XLA_CACHE / os.environ.get("PYTEST_XDIST_WORKER", "main"))
 # Every program, however quick to compile: a tiny model built eagerly compiles ~50 one-op programs
 # (5 s; 1 s when loaded from the cache).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 # Tests compile for compile speed: the suite's programs are tiny, so most of its time was XLA compiling
 # code that then runs for milliseconds. LLVM at -O0, and XLA:CPU's older loop emitters for fusions instead
 # of its MLIR fusion emitters: tests/prm/test_step.py's train step compiles in 8.0 s with XLA's defaults,
