@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import pathlib
+import shlex
 import signal
 import subprocess
 import sys
@@ -217,8 +218,12 @@ def test_launchers_are_valid_bash():
 
 def test_local_sh_kills_a_process_that_ignores_sigterm(tmp_path):
     """Process 1 fails; process 0 ignores SIGTERM (as one waiting in a collective for a dead peer does): local.sh
-    sends it SIGKILL once the -g grace is over and exits with the failed process's status."""
-    script = 'if [ "$JAX_PROCESS_ID" = 1 ]; then exit 3; fi; trap "" TERM; exec sleep 60'
+    sends it SIGKILL once the -g grace is over and exits with the failed process's status.
+    Process 1 fails only once process 0 has set its trap: failing at once, local.sh's SIGTERM could reach process 0
+    before bash ran `trap` (seen on CI: 0.03 s)."""
+    ready = shlex.quote(str(tmp_path / "trap_set"))
+    script = (f'if [ "$JAX_PROCESS_ID" = 1 ]; then for _ in $(seq 300); do [ -e {ready} ] && exit 3; sleep 0.05; done; '
+              f'exit 4; fi; trap "" TERM; touch {ready}; exec sleep 60')
     start = time.monotonic()
     proc = subprocess.run(["bash", str(REPO / "launch" / "local.sh"), "-n", "2", "-g", "1", "-l", str(tmp_path), "--",
                            "bash", "-c", script], capture_output=True, text=True, timeout=60)
