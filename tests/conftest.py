@@ -16,7 +16,8 @@ import pathlib
 # takes no file lock, so the two workers do not share one directory (the controller's choice, inherited by
 # the workers, gets the worker's name). Set JAX_COMPILATION_CACHE_DIR elsewhere to move it (empty: off).
 _XLA_CACHE = pathlib.Path(__file__).resolve().parents[1] / ".pytest_cache" / "xla"
-if os.environ.get("JAX_COMPILATION_CACHE_DIR", str(_XLA_CACHE)).startswith(str(_XLA_CACHE)):
+_CACHE_SETTING = os.environ.get("JAX_COMPILATION_CACHE_DIR", str(_XLA_CACHE))
+if _CACHE_SETTING and pathlib.Path(_CACHE_SETTING).is_relative_to(_XLA_CACHE):
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_XLA_CACHE / os.environ.get("PYTEST_XDIST_WORKER", "main"))
 # Every program, however quick to compile: a tiny model built eagerly compiles ~50 one-op programs
 # (5 s; 1 s when loaded from the cache).
