@@ -1,7 +1,7 @@
 """Qwen3.5 checkpoint conversion: transformers safetensors <-> orbax run, a parity check, and the tokenizer.
 
     python -m caper_jax.convert hf-to-orbax --hf_dir D --out O [--dtype bfloat16]
-    python -m caper_jax.convert orbax-to-hf --ckpt O --out D2 [--max_shard_gb 5]
+    python -m caper_jax.convert orbax-to-hf --ckpt O --out D2 [--max_shard_gb 5 --dtype bfloat16]
     python -m caper_jax.convert verify --hf_dir D [--batch 2 --seq_len 96 --new_tokens 16]
     python -m caper_jax.convert qwen35-tokenizer --out T
 
@@ -11,9 +11,13 @@ source (``trainer: convert``, ``model.hf_dir``) and the run record (the model's 
 the tokenizer directory, D when it holds a tokenizer). So ``caper_jax.runs.load_run`` reads it, and
 a trainer starts from it (``model.init_from`` of a PRM config, ``policy.sft_workdir`` of a GRPO
 config) as from an SFT run. `orbax-to-hf` reads such a directory, or an SFT/GRPO workdir, through
-``load_run``. Parameters keep their dtype, so hf-to-orbax followed by orbax-to-hf reproduces every
-tensor bit for bit. `verify` runs transformers' PyTorch model and caper_jax on the same random tokens;
-its last stdout line is JSON: max_abs_logit_diff, mean_kl (KL(hf || caper_jax) per position),
+``load_run``. Parameters keep their dtype unless `--dtype` (float32 | bfloat16) names the export's, so
+hf-to-orbax followed by orbax-to-hf reproduces every tensor bit for bit. Where the run records a tokenizer,
+orbax-to-hf also writes what a server reads (``caper_jax.data.serving``): the token ids in config.json,
+generation_config.json (an SFT run's greedy decoding, a GRPO run's sampling; a converted checkpoint's
+eos and pad only) and the tokenizer, with the policy's chat template for an SFT or GRPO run (a converted
+checkpoint keeps its tokenizer's own). `verify` runs transformers' PyTorch model and caper_jax on the same
+random tokens; its last stdout line is JSON: max_abs_logit_diff, mean_kl (KL(hf || caper_jax) per position),
 greedy_match (both greedy-decode the same tokens). The reference needs torch (requirements-test.txt):
 without it `verify` says so and exits 2 before loading anything. `qwen35-tokenizer` writes the Qwen3.5
 tokenizer (tokenizer.json + tokenizer_config.json, ``AutoTokenizer.from_pretrained(T)`` loads it)
@@ -51,9 +55,9 @@ from flax import nnx
 
 from caper_jax import runs
 from caper_jax.checkpoint import Checkpointer
-from caper_jax.data import qwen35_tokenizer
+from caper_jax.data import qwen35_tokenizer, serving
 from caper_jax.data.qwen35_tokenizer import PackageUnavailable
-from caper_jax.models import Qwen35Config, Qwen35ForCausalLM, from_hf, to_hf
+from caper_jax.models import Qwen35Config, Qwen35ForCausalLM, from_hf, hf_io, to_hf
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel.rules import DEFAULT_RULES
 from caper_jax.utils import atomic, cli
@@ -61,7 +65,7 @@ from caper_jax.utils import atomic, cli
 FLAGS = flags.FLAGS
 
 COMMANDS = ("hf-to-orbax", "orbax-to-hf", "verify", "qwen35-tokenizer")
-COMMAND_FLAGS = {"hf-to-orbax": ("hf_dir", "out", "dtype"), "orbax-to-hf": ("ckpt", "out", "max_shard_gb"),
+COMMAND_FLAGS = {"hf-to-orbax": ("hf_dir", "out", "dtype"), "orbax-to-hf": ("ckpt", "out", "max_shard_gb", "dtype"),
                  "verify": ("hf_dir", "batch", "seq_len", "new_tokens", "seed"), "qwen35-tokenizer": ("out",)}
 REQUIRED = {"hf-to-orbax": ("hf_dir", "out"), "orbax-to-hf": ("ckpt", "out"), "verify": ("hf_dir",),
             "qwen35-tokenizer": ("out",)}
@@ -211,7 +215,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                         flag_values=flag_values)
     flags.DEFINE_string("out", None, "hf-to-orbax, orbax-to-hf, qwen35-tokenizer: output directory (absent or empty).",
                         flag_values=flag_values)
-    flags.DEFINE_string("dtype", None, "hf-to-orbax: param dtype (default: the checkpoint's config dtype).",
+    flags.DEFINE_string("dtype", None, "hf-to-orbax: param dtype (default: the checkpoint's config dtype); "
+                        "orbax-to-hf: the export's tensors, float32 | bfloat16 (default: the parameters').",
                         flag_values=flag_values)
     flags.DEFINE_float("max_shard_gb", 5.0, "orbax-to-hf: safetensors shard size.", flag_values=flag_values)
     flags.DEFINE_integer("batch", 2, "verify: sequences.", flag_values=flag_values)
@@ -245,11 +250,22 @@ def _run(command: str, f: flags.FlagValues) -> int:
         print(_into_place(f.out, qwen35_tokenizer.build_qwen35_tokenizer))
         return 0
     if command == "orbax-to-hf":
-        runs.read_run(f.ckpt, trainers=runs.POLICY_TRAINERS)   # a whole run with a causal LM, before any work
+        if f.dtype is not None and f.dtype not in hf_io.EXPORT_DTYPES:
+            raise ValueError(f"--dtype={f.dtype}: orbax-to-hf writes one of {', '.join(hf_io.EXPORT_DTYPES)}")
+        info = runs.read_run(f.ckpt, trainers=runs.POLICY_TRAINERS)   # a whole run with a causal LM, before any work
         atomic.check_output_dir(f.out, inputs=(f.ckpt,), flag="--out", must_be_empty=True)
+        generation = serving.generation_defaults(info.config)
+        tokenizer = info.tokenizer() if info.tokenizer_dir is not None else None
         model, config = load_run_model(f.ckpt)
         max_shard_bytes = int(f.max_shard_gb * 2**30)
-        print(_into_place(f.out, lambda staging: to_hf(model, config, staging, max_shard_bytes=max_shard_bytes)))
+
+        def write(staging: pathlib.Path) -> None:
+            to_hf(model, config, staging, max_shard_bytes=max_shard_bytes, dtype=f.dtype)
+            if tokenizer is not None:
+                serving.add_serving_files(staging, tokenizer, generation=generation,
+                                          chat_template=info.trainer != runs.CONVERTED)
+
+        print(_into_place(f.out, write))
         return 0
     hf_config = _read_config(f.hf_dir, "--hf_dir")
     if command == "verify":

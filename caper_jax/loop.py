@@ -248,7 +248,8 @@ class TrainingRun:
 
 def finish_policy_run(run: TrainingRun, results: dict, rows: list[dict], policy, tokenizer, *, curves: list[str],
                       png: str, title: str) -> None:
-    """The end of an SFT or GRPO run: eval metrics, curves, HF export, predictions, then results.json.
+    """The end of an SFT or GRPO run: eval metrics, curves, HF export (in ``export_dtype``, ready to serve:
+    ``caper_jax.data.serving``), predictions, then results.json.
 
     results.json comes last: it marks the run done (``caper_jax.experiments.stages.completion``), so a run stopped
     during the export is not taken for a finished one."""
@@ -256,10 +257,11 @@ def finish_policy_run(run: TrainingRun, results: dict, rows: list[dict], policy,
                curves=curves, png=png, title=title)
     if run.settings.export_hf:
         from caper_jax.models import to_hf  # hf_io (safetensors) loads on first use: models.__getattr__
+        from caper_jax.data import serving
 
-        out = to_hf(policy, policy.config, run.workdir / "hf_export")
-        if run.main:
-            tokenizer.save_pretrained(str(out))
+        out = to_hf(policy, policy.config, run.workdir / "hf_export", dtype=run.settings.export_dtype)
+        if run.main:   # token ids, generation_config.json, the tokenizer with the policy's chat template
+            serving.add_serving_files(out, tokenizer, generation=serving.generation_defaults(as_dict(run.settings)))
     if run.main:
         with (run.workdir / "predictions_eval.jsonl").open("w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

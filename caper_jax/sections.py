@@ -24,6 +24,9 @@ from caper_jax.settings import Settings, one_of
 # (logical axis name, mesh axis | mesh axes | None): caper_jax/parallel/rules.py
 ShardingRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 MomentDtype = Literal["float32", "bfloat16"]
+# The HF export's tensors (caper_jax.models.hf_io.EXPORT_DTYPES): bfloat16 as the Qwen3.5 release ships,
+# float32 for bit-exact round trips of fp32 parameters.
+ExportDtype = Literal["float32", "bfloat16"]
 frozen = dataclasses.dataclass(frozen=True, kw_only=True)
 
 
@@ -117,6 +120,7 @@ class TrainerSettings(MeshSettings):
     ckpt_every: int
     ckpt_keep: int
     export_hf: bool
+    export_dtype: ExportDtype        # the end-of-run HF export's tensors
 
     def __post_init__(self):
         super().__post_init__()

@@ -121,4 +121,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.ckpt_every = 100
     c.ckpt_keep = 2
     c.export_hf = True
+    # the export's tensors: bfloat16 as the Qwen3.5 release ships (vLLM-CPU's DeltaNet needs it); float32
+    # keeps a small model's fp32 parameters bit for bit
+    c.export_dtype = "bfloat16" if arg.model == "qwen35_9b" else "float32"
     return c

@@ -196,7 +196,7 @@ def test_a_policy_run_stopped_during_its_export_writes_no_results_json(tmp_path,
     class Stopped(Exception):
         pass
 
-    def killed(*args):
+    def killed(*args, **kwargs):
         raise Stopped("stopped during the export")
 
     monkeypatch.setattr(caper_jax.models, "to_hf", killed)

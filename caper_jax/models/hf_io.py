@@ -46,6 +46,9 @@ _PROJECTIONS = frozenset({
 _SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 _TEXT_PREFIXES = ("model.language_model.", "model.")
 SAFE_INDEX = "model.safetensors.index.json"
+# Dtypes an export writes: bfloat16 as the Qwen3.5 release ships (and vLLM-CPU's DeltaNet kernel needs),
+# float32 for bit-exact round trips of fp32 parameters.
+EXPORT_DTYPES = ("float32", "bfloat16")
 SAFE_SINGLE = "model.safetensors"
 
 
@@ -221,26 +224,43 @@ def from_hf(
 # Writing ----------------------------------------------------------------------------------------
 
 
-def hf_state_dict(model: Qwen35ForCausalLM, config: Qwen35Config) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields (transformers name, host array) one tensor at a time, in our parameter order."""
+def export_dtype(dtype: str | None, config: Qwen35Config) -> str:
+    """The dtype an export writes: ``dtype``, or the parameters' own when None; ValueError if unknown."""
+    dtype = dtype or config.param_dtype
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype {dtype!r}: expected one of {EXPORT_DTYPES}")
+    return dtype
+
+
+def hf_state_dict(model: Qwen35ForCausalLM, config: Qwen35Config,
+                  dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields (transformers name, host array) one tensor at a time, in our parameter order, cast to
+    ``dtype`` (None: the parameters' dtype; numpy's cast to bfloat16 rounds to nearest even, as torch's)."""
+    target = np.dtype(to_dtype(export_dtype(dtype, config)))
     for var_path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         names = hf_tensor_names(var_path, config)
         host = fetch(variable[...])
         parts = list(host) if var_path[0] == "layers" else [host]
         for name, part in zip(names, parts, strict=True):
-            yield name, _to_hf_layout(part, _layout(var_path))
+            yield name, _to_hf_layout(part, _layout(var_path)).astype(target, copy=False)
 
 
 def to_hf(
-    model: Qwen35ForCausalLM, config: Qwen35Config, out_dir: str | os.PathLike, max_shard_bytes: int = 5 * 2**30
+    model: Qwen35ForCausalLM, config: Qwen35Config, out_dir: str | os.PathLike, max_shard_bytes: int = 5 * 2**30,
+    dtype: str | None = None,
 ) -> pathlib.Path:
     """Writes safetensors (sharded with an index past `max_shard_bytes`) and config.json that
-    `transformers.Qwen3_5ForCausalLM.from_pretrained` loads.
+    `transformers.Qwen3_5ForCausalLM.from_pretrained` loads, the tensors and config.json's ``dtype`` in
+    `dtype` (one of EXPORT_DTYPES).
 
-    Tensors keep the parameters' dtype, so HF -> caper_jax -> HF is bit-exact. Only process 0
-    writes; every process must call this (gathering a sharded parameter is collective).
+    `dtype` None keeps the parameters' dtype, so HF -> caper_jax -> HF is bit-exact. Only process 0
+    writes; every process must call this (gathering a sharded parameter is collective). What a server
+    needs beside the weights (token ids, generation_config.json, the chat template) is
+    ``caper_jax.data.serving.add_serving_files``.
     """
-    return write_safetensors(hf_state_dict(model, config), out_dir, config.to_hf_dict(), max_shard_bytes)
+    dtype = export_dtype(dtype, config)
+    hf_config = {**config.to_hf_dict(), "dtype": dtype}
+    return write_safetensors(hf_state_dict(model, config, dtype), out_dir, hf_config, max_shard_bytes)
 
 
 def write_safetensors(

@@ -18,6 +18,7 @@ from flax import nnx
 from caper_jax.models import hf_io
 from caper_jax.parallel.multihost import fetch
 from caper_jax.parallel.rules import logical_to_sharding
+from caper_jax.data import serving
 from caper_jax.prm.model import ClausePRM, backbone_config
 from caper_jax.utils.errors import CheckpointError
 
@@ -61,25 +62,30 @@ def load_prm_from_hf(hf_dir: str | pathlib.Path, mesh=None, rules=None, *, dtype
 
 
 def export_prm_to_hf(model: ClausePRM, out_dir: str | pathlib.Path, tokenizer=None,
-                     max_shard_bytes: int = 5 * 2**30) -> pathlib.Path:
-    """Writes the PRM as an HF sequence-classification checkpoint (+ tokenizer files if given).
+                     max_shard_bytes: int = 5 * 2**30, dtype: str | None = None) -> pathlib.Path:
+    """Writes the PRM as an HF sequence-classification checkpoint, its tensors in ``dtype`` (None: the
+    parameters'; ``hf_io.EXPORT_DTYPES``), plus, given the tokenizer, its files with the policy's chat
+    template and the token ids in config.json (``caper_jax.data.serving``; no generation_config.json: a
+    sequence classifier generates nothing). The template renders the context a clause is scored in:
+    ``apply_chat_template(policy_messages(...), add_generation_prompt=True, tokenize=False)`` + the SQL.
 
     Every process must call it (gathering a parameter sharded across hosts is collective); only
     process 0 writes.
     """
-    config = model.config
+    backbone_config = model.backbone.config
+    dtype = hf_io.export_dtype(dtype, backbone_config)
     head = np.asarray(fetch(model.score_head[...]), np.float32)[None, :]
 
     def tensors():
-        yield from hf_io.hf_state_dict(model.backbone, model.backbone.config)
-        yield SCORE_TENSOR, head.astype(np.dtype(jnp.dtype(config.param_dtype)))
+        yield from hf_io.hf_state_dict(model.backbone, backbone_config, dtype)
+        yield SCORE_TENSOR, head.astype(np.dtype(jnp.dtype(dtype)))
 
     # The backbone config (no separate lm_head) is what the file holds; load_prm_from_hf reads it back.
-    hf_config = model.backbone.config.to_hf_dict()
-    pad_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else config.pad_token_id
+    hf_config = backbone_config.to_hf_dict()
     hf_config.update(architectures=[HF_ARCHITECTURE], num_labels=1, id2label={"0": "LABEL_0"},
-                     label2id={"LABEL_0": 0}, pad_token_id=pad_id, problem_type="regression")
+                     label2id={"LABEL_0": 0}, pad_token_id=model.config.pad_token_id, problem_type="regression",
+                     dtype=dtype)
     out = hf_io.write_safetensors(tensors(), out_dir, hf_config, max_shard_bytes=max_shard_bytes)
     if tokenizer is not None and jax.process_index() == 0:
-        tokenizer.save_pretrained(str(out))
+        serving.add_serving_files(out, tokenizer, generation=None)
     return out

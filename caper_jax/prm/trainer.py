@@ -170,7 +170,7 @@ def write_outputs(settings: PrmSettings, workdir: pathlib.Path, results: dict, m
     results.json comes last: it marks the run done (``caper_jax.experiments.stages.completion``), so a run stopped
     during the export is not taken for a finished one."""
     if settings.export_hf:
-        export_prm_to_hf(model, workdir / "hf_export", tokenizer)
+        export_prm_to_hf(model, workdir / "hf_export", tokenizer, dtype=settings.export_dtype)
     if main:
         heldout.write_report(results, workdir)
 

@@ -1,5 +1,7 @@
-"""GRPO clipped-surrogate loss with asymmetric clipping, k3 KL to a reference, and TRL/tunix
-aggregation modes.
+"""GRPO clipped-surrogate loss with asymmetric clipping, k3 KL to a reference (optionally TRL's
+bias-corrected ρ·k3), and four aggregations, each equal to one of TRL 1.16's ``loss_type`` and of
+tunix 0.1.7's ``loss_agg_mode`` when every row has a token (measured: ``bench/peer_grpo.py``).
+
 
 Per token (ratio ρ = exp(logp - old_logp), advantage A):
 
@@ -7,15 +9,28 @@ Per token (ratio ρ = exp(logp - old_logp), advantage A):
     kl_ref = exp(ref - logp) - (ref - logp) - 1               (k3 estimator of KL(π_θ ‖ π_ref))
     loss   = policy + β·kl_ref                                (the KL term is skipped when β = 0)
 
+``kl_bias_correction`` uses ρ·kl_ref instead (TRL's ``use_bias_correction_kl``, its default).
+
 The per-token loss is reduced over the completion mask m by ``agg``:
 
-    token-mean                    Σ_it L / Σ_it m             DAPO: every token weighs the same
-    sequence-mean-token-mean      mean_i Σ_t L_it / Σ_t m_it  original GRPO: every completion weighs the same
-    sequence-mean-token-sum       mean_i Σ_t L_it             long completions weigh more
-    sequence-mean-token-sum-norm  Σ_it L / (B · norm_len)     Dr. GRPO: a constant normaliser
+    agg                           formula                     TRL loss_type     tunix loss_agg_mode
+    token-mean                    Σ_it L / Σ_it m             bnpo, dapo        token-mean
+    sequence-mean-token-mean      mean_i Σ_t L_it / Σ_t m_it  grpo              sequence-mean-token-mean
+    sequence-mean-token-sum       mean_i Σ_t L_it             luspo (token IS)  seq-mean-token-sum, and
+                                                                                sequence-mean-token-sum-norm
+    sequence-mean-token-sum-norm  Σ_it L / (B · norm_len)     dr_grpo           sequence-mean-token-scale
 
-"mean_i" runs over rows with at least one masked token; ``norm_len`` defaults to the padded length T
-(Dr. GRPO's MAX_TOKENS), a constant, so no completion's length changes its tokens' weight.
+"mean_i" runs over rows with at least one masked token (tunix's means do the same; TRL's grpo and luspo
+count a fully masked row as a 0 in a mean over all B rows); ``norm_len`` defaults to the padded length T
+(Dr. GRPO's MAX_TOKENS; TRL's max_completion_length), a constant, so no completion's length changes its
+tokens' weight; tunix's sequence-mean-token-scale divides by (non-empty rows · T) instead of B · T.
+tunix's own "sequence-mean-token-sum-norm" (its default normaliser: the non-empty rows) is this module's
+sequence-mean-token-sum, not its namesake. TRL's dapo divides by the tokens of its whole generation
+batch (all processes and accumulation steps, rescaled to one micro-batch), bnpo by the local
+micro-batch's; this loss sees the whole (global) minibatch, so both equal token-mean on one process
+without accumulation, the case measured. Padding is removed with ``where``
+before anything is computed, so NaN or inf log-probs at masked positions leave the loss and gradient
+finite; TRL and tunix multiply by the mask and return NaN. docs/grpo.md, "TRL and tunix".
 
 Metrics are masked token means regardless of ``agg`` (diagnostics, not the objective).
 Everything is computed in fp32.
@@ -56,7 +71,7 @@ def _token_mean(values: Array, mask: Array) -> Array:
     return jnp.where(mask, values, 0.0).sum() / jnp.maximum(mask.sum(), 1)
 
 
-@functools.partial(jax.jit, static_argnames=("beta", "agg", "norm_len"))
+@functools.partial(jax.jit, static_argnames=("beta", "agg", "norm_len", "kl_bias_correction"))
 def grpo_loss(
     logp: Array,
     old_logp: Array | None,
@@ -70,6 +85,7 @@ def grpo_loss(
     agg: str = "token-mean",
     entropy: Array | None = None,
     norm_len: int | None = None,
+    kl_bias_correction: bool = False,
 ) -> tuple[Array, dict[str, Array]]:
     """GRPO loss and metrics; all array arguments are ``[B, T]``.
 
@@ -86,11 +102,15 @@ def grpo_loss(
       agg: one of ``AGGREGATIONS`` (static).
       entropy: optional ``[B, T]`` policy entropy, reported as a metric.
       norm_len: normaliser of ``sequence-mean-token-sum-norm`` (static; default T).
+      kl_bias_correction: multiply the k3 term by the ratio ρ (static; TRL's ``use_bias_correction_kl``):
+        importance-weights the KL estimate from samples of π_old to π_θ; ρ carries gradient, so even at
+        ρ = 1 the gradient changes (by β·k3·∇logp per token).
 
     Returns:
       ``(loss, metrics)``; metrics: ``policy_loss``, ``clip_frac_low`` (ρ < 1-ε_low with A < 0, where
       the clip zeroes the gradient), ``clip_frac_high`` (ρ > 1+ε_high with A > 0), ``approx_kl``
-      (k3 estimate of KL(π_old ‖ π_θ)), ``ratio_mean``, and ``kl_ref`` when β > 0, ``entropy`` when given.
+      (k3 estimate of KL(π_old ‖ π_θ)), ``ratio_mean``, and ``kl_ref`` when β > 0 (the KL term as it enters
+      the loss: ρ·k3 with ``kl_bias_correction``, as TRL logs it), ``entropy`` when given.
     """
     if agg not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {agg!r}; expected one of {AGGREGATIONS}")
@@ -134,6 +154,8 @@ def grpo_loss(
     if beta != 0:
         ref_minus_policy = jax.lax.stop_gradient(on_tokens(ref_logp)) - logp
         kl_ref = jnp.exp(ref_minus_policy) - ref_minus_policy - 1.0
+        if kl_bias_correction:
+            kl_ref = kl_ref * ratio
         per_token = per_token + beta * kl_ref
         metrics["kl_ref"] = _token_mean(kl_ref, mask)
     if entropy is not None:

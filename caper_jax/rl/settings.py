@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from caper_jax.models.sampler import SamplingConfig
 from caper_jax.policy.prompts import check_prompt_widths
+from caper_jax.rl.advantages import STD_SCOPES
 from caper_jax.rl.losses import AGGREGATIONS
 from caper_jax.rl.rewards import reward_variant
 from caper_jax.sections import ModelSettings, OptimSettings, TrainerSettings, WorldSettings, check_positive, frozen
@@ -78,9 +79,17 @@ class GrpoRl:
     gamma: float
     agg: str
     scale_by_std: bool
+    std_ddof: int                    # the std of the advantages' normalisation: 0 population, 1 sample
+    std_eps: float                   # added to that std
+    std_scope: str                   # that std pooled over the group's units or the batch's
+    kl_bias_correction: bool         # k3 KL term multiplied by the ratio (TRL's use_bias_correction_kl)
 
     def __post_init__(self):
         one_of(self.agg, AGGREGATIONS, "rl.agg")
+        one_of(self.std_scope, STD_SCOPES, "rl.std_scope")
+        if self.std_ddof not in (0, 1) or not self.std_eps > 0:
+            raise ValueError(f"need rl.std_ddof 0 or 1 (got {self.std_ddof}) and rl.std_eps > 0 "
+                             f"(got {self.std_eps})")
         if self.group_size < 2:
             raise ValueError(f"rl.group_size={self.group_size} must be >= 2 (advantages are group-relative)")
         rows = self.prompts_per_step * self.group_size

@@ -29,7 +29,7 @@ def updates_per_step(settings) -> int:
 
 def update_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientTransformation, beta: float,
                 agg: str, eps_low: float, eps_high: float, temperature: float, chunk_size: int,
-                with_entropy: bool = True) -> tuple[TrainState, dict]:
+                kl_bias_correction: bool, with_entropy: bool = True) -> tuple[TrainState, dict]:
     """One GRPO optimizer step on a minibatch; refuses (keeps the state) on a non-finite loss/gradient.
 
     ``with_entropy``: also compute the policy's entropy, a metric only (no term of the loss), so the
@@ -44,7 +44,7 @@ def update_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientT
         logp, entropy = out if with_entropy else (out, None)
         return grpo_loss(logp, batch["old_logp"], batch.get("ref_logp"), batch["advantages"],
                          batch["completion_mask"], eps_low=eps_low, eps_high=eps_high, beta=beta, agg=agg,
-                         entropy=entropy)
+                         entropy=entropy, kl_bias_correction=kl_bias_correction)
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     new_state, guard = guarded_update(state, loss, grads, tx, advance_step=False)   # run() counts outer steps
@@ -58,7 +58,8 @@ def jit_update(graphdef, tx, settings, state_sharding=None, *, with_entropy: boo
     update = functools.partial(
         update_step, graphdef=graphdef, tx=tx, beta=settings.rl.beta, agg=settings.rl.agg,
         eps_low=settings.rl.eps_low, eps_high=settings.rl.eps_high,
-        temperature=settings.sampling.temperature, chunk_size=settings.chunk_size, with_entropy=with_entropy)
+        temperature=settings.sampling.temperature, chunk_size=settings.chunk_size,
+        kl_bias_correction=settings.rl.kl_bias_correction, with_entropy=with_entropy)
     # The frozen optim and rl sections are the key: everything tx and the update were made from.
     key = ("grpo", graphdef, settings.optim, settings.rl, settings.sampling.temperature, settings.chunk_size,
            with_entropy)
@@ -80,16 +81,17 @@ def prm_token_scores(params, input_ids, attention_mask, *, graphdef, last: int |
     return nnx.merge(graphdef, params).token_scores(input_ids, attention_mask, last)
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "group_size", "scale_by_std"))
+@functools.partial(jax.jit, static_argnames=("variant", "group_size", "scale_by_std", "std_ddof", "std_scope"))
 def advantages_from_rewards(prm_scores, clause_ends, exec_rewards, completion_mask, parse_ok, *, variant: str,
                             group_size: int, gamma: float, prm_weight: float, exec_failure_reward: float,
-                            format_penalty: float, scale_by_std: bool) -> tuple[jax.Array, dict]:
+                            format_penalty: float, scale_by_std: bool, std_ddof: int, std_eps: float,
+                            std_scope: str) -> tuple[jax.Array, dict]:
     """``layout_rewards(variant)`` -> ``clause_advantages``: token advantages [B, N] and unit statistics."""
     rewards, unit_mask, token_unit = layout_rewards(
         variant, prm_scores, clause_ends, exec_rewards, completion_mask, parse_ok, prm_weight=prm_weight,
         exec_failure_reward=exec_failure_reward, format_penalty=format_penalty)
-    adv = clause_advantages(rewards, unit_mask, token_unit, completion_mask, group_size, gamma,
-                            scale_by_std=scale_by_std)
+    adv = clause_advantages(rewards, unit_mask, token_unit, completion_mask, group_size, gamma, eps=std_eps,
+                            scale_by_std=scale_by_std, std_ddof=std_ddof, std_scope=std_scope)
     valid = unit_mask.astype(jnp.float32)
     count = jnp.maximum(valid.sum(), 1.0)
     mean = (rewards * valid).sum() / count

@@ -243,7 +243,8 @@ def run(settings: GrpoSettings, workdir: str) -> dict:
             prm_scores, batch["clause_ends"], batch["exec_rewards"], batch["completion_mask"], batch["parse_ok"],
             variant=settings.reward.variant, group_size=group, gamma=float(settings.rl.gamma),
             prm_weight=float(settings.reward.prm_weight), exec_failure_reward=float(settings.reward.failure),
-            format_penalty=float(settings.reward.format_penalty), scale_by_std=settings.rl.scale_by_std)
+            format_penalty=float(settings.reward.format_penalty), scale_by_std=settings.rl.scale_by_std,
+            std_ddof=settings.rl.std_ddof, std_eps=float(settings.rl.std_eps), std_scope=settings.rl.std_scope)
         train_batch = {k: batch[k] for k in ("input_ids", "attention_mask", "completion_mask", "old_logp")}
         train_batch["advantages"] = advantages
         if ref_params is not None:

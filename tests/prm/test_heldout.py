@@ -106,7 +106,8 @@ def test_a_prm_run_stopped_before_its_end_writes_no_results_json(tmp_path, monke
     results = {"metrics": {"eval/pair_accuracy": 0.5}, "n_eval_tuples": 2, "n_failures": 0, "localization": {}}
     monkeypatch.setattr(prm_trainer, "export_prm_to_hf", stopped)
     with pytest.raises(Stopped):
-        prm_trainer.write_outputs(ConfigDict({"export_hf": True}), tmp_path, results, None, None, main=True)
+        prm_trainer.write_outputs(ConfigDict({"export_hf": True, "export_dtype": "float32"}), tmp_path, results, None,
+                                  None, main=True)
     assert not (tmp_path / "results.json").exists()
     monkeypatch.setattr(heldout, "localization_table", stopped)
     with pytest.raises(Stopped):

@@ -1,4 +1,5 @@
 """grpo_loss against hand-computed values, a numpy reference, and its gradients where clipped."""
+import functools
 import math
 
 import jax
@@ -9,13 +10,14 @@ import pytest
 from caper_jax.rl import AGGREGATIONS, grpo_loss
 
 
-def numpy_grpo(logp, old, ref, adv, mask, eps_low, eps_high, beta, agg, norm_len=None):
+def numpy_grpo(logp, old, ref, adv, mask, eps_low, eps_high, beta, agg, norm_len=None, kl_bias_correction=False):
     """float64 reference, written row by row."""
     logp, old, ref, adv = (np.asarray(x, np.float64) for x in (logp, old, ref, adv))
     ratio = np.exp(logp - old)
     per_token = -np.minimum(ratio * adv, np.clip(ratio, 1 - eps_low, 1 + eps_high) * adv)
     if beta:
-        per_token += beta * (np.exp(ref - logp) - (ref - logp) - 1)
+        k3 = np.exp(ref - logp) - (ref - logp) - 1
+        per_token += beta * (ratio * k3 if kl_bias_correction else k3)
     rows = [(per_token[i][mask[i]]) for i in range(len(mask)) if mask[i].any()]
     if agg == "token-mean":
         return np.concatenate(rows).sum() / max(mask.sum(), 1)
@@ -70,6 +72,72 @@ def test_matches_numpy_reference(agg, beta):
     loss, _ = grpo_loss(f32(logp), f32(old), f32(ref), f32(adv), jnp.asarray(mask), eps_low=0.2,
                         eps_high=0.28, beta=beta, agg=agg)
     assert float(loss) == pytest.approx(expected, rel=1e-5)
+
+
+def test_bias_corrected_kl_hand_computed():
+    # On-policy (ρ = 1 in value), A = 0, d = ref - logp = ln 2, k3 = 1 - ln 2: the loss is β·k3 either
+    # way, but ρ carries gradient: per token d(k3)/dlogp = 1 - e^d = -1, d(ρ·k3)/dlogp = k3 - 1 = -ln 2.
+    logp = jnp.zeros((1, 2))
+    ref = jnp.full((1, 2), math.log(2.0))
+    k3 = 1.0 - math.log(2.0)
+    for corrected, slope in ((False, -1.0), (True, -math.log(2.0))):
+        def loss_fn(x, corrected=corrected):
+            return grpo_loss(x, None, ref, jnp.zeros((1, 2)), jnp.ones((1, 2)), beta=0.1, agg="token-mean",
+                             kl_bias_correction=corrected)[0]
+        loss, grad = jax.value_and_grad(loss_fn)(logp)
+        assert float(loss) == pytest.approx(0.1 * k3, rel=1e-6)
+        np.testing.assert_allclose(np.asarray(grad), [[0.1 * slope / 2] * 2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_bias_corrected_kl_matches_numpy_loss_and_gradient(agg):
+    """Value against the float64 reference, gradient against its central finite differences (the TRL form
+    ρ·k3, ρ differentiated through logp)."""
+    rng = np.random.default_rng(3)
+    b, t = 4, 6
+    logp = rng.normal(-2, 0.3, (b, t))
+    old = logp + rng.normal(0, 0.3, (b, t))
+    ref = logp + rng.normal(0, 0.3, (b, t))
+    adv = rng.normal(size=(b, t))
+    mask = rng.random((b, t)) < 0.7
+    mask[1] = False
+    ratio = np.exp(logp - old)
+    # Finite differences need every token away from the clip's kinks at 1 - ε_low and 1 + ε_high.
+    assert np.abs(ratio[mask] - 0.8).min() > 1e-3 and np.abs(ratio[mask] - 1.28).min() > 1e-3
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+
+    def loss_fn(x, corrected):
+        return grpo_loss(x, f32(old), f32(ref), f32(adv), jnp.asarray(mask), beta=0.5, agg=agg,
+                         kl_bias_correction=corrected)
+
+    (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(f32(logp), True)
+    reference = functools.partial(numpy_grpo, old=old, ref=ref, adv=adv, mask=mask, eps_low=0.2, eps_high=0.28,
+                                  beta=0.5, agg=agg, kl_bias_correction=True)
+    assert float(loss) == pytest.approx(reference(logp), rel=1e-5)
+    k3 = np.exp(ref - logp) - (ref - logp) - 1
+    assert float(metrics["kl_ref"]) == pytest.approx((ratio * k3)[mask].mean(), rel=1e-5)
+    h = 1e-6
+    numeric = np.zeros((b, t))
+    for index in np.ndindex(b, t):
+        step = np.zeros((b, t))
+        step[index] = h
+        numeric[index] = (reference(logp + step) - reference(logp - step)) / (2 * h)
+    np.testing.assert_allclose(np.asarray(grad), numeric, rtol=1e-4, atol=1e-6)
+    uncorrected = jax.grad(lambda x: loss_fn(x, False)[0])(f32(logp))
+    assert np.abs(np.asarray(grad) - np.asarray(uncorrected)).max() > 1e-3   # the option changes the gradient
+
+
+def test_default_kl_is_uncorrected():
+    rng = np.random.default_rng(4)
+    logp, old, ref = (jnp.asarray(rng.normal(-2, 0.3, (3, 5)), jnp.float32) for _ in range(3))
+    adv, mask = jnp.asarray(rng.normal(size=(3, 5)), jnp.float32), jnp.ones((3, 5), bool)
+    default = jax.value_and_grad(lambda x: grpo_loss(x, old, ref, adv, mask, beta=0.04)[0])(logp)
+    off = jax.value_and_grad(lambda x: grpo_loss(x, old, ref, adv, mask, beta=0.04, kl_bias_correction=False)[0])(logp)
+    on = grpo_loss(logp, old, ref, adv, mask, beta=0.04, kl_bias_correction=True)[0]
+    assert float(default[0]) == float(off[0]) != float(on)
+    assert np.array_equal(np.asarray(default[1]), np.asarray(off[1]))
+    expected = numpy_grpo(logp, old, ref, adv, np.asarray(mask), 0.2, 0.28, 0.04, "token-mean")
+    assert float(default[0]) == pytest.approx(expected, rel=1e-5)
 
 
 def test_dr_grpo_normaliser_is_a_constant():

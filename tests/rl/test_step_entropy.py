@@ -47,7 +47,7 @@ def setup():
     # Each variant compiled once (run below, its cost analysis read), with the fusion emitters (see above).
     step = {flag: jax.jit(functools.partial(
         rl_step.update_step, graphdef=graphdef, tx=tx, beta=0.04, agg="token-mean", eps_low=0.2, eps_high=0.28,
-        temperature=0.7, chunk_size=4, with_entropy=flag)).lower(state, batch).compile(
+        temperature=0.7, chunk_size=4, kl_bias_correction=False, with_entropy=flag)).lower(state, batch).compile(
         {"xla_cpu_use_fusion_emitters": True}) for flag in (True, False)}
     return dict(config=config, model=model, params=params, tx=tx, batch=batch, step=step)
 

@@ -99,7 +99,8 @@ def update_once(setup, exec_rewards):
         adv, _ = rl_step.advantages_from_rewards(
             jnp.zeros((2, setup["new"])), jnp.full((2, 8), -1, jnp.int32), jnp.asarray(exec_rewards, jnp.float32),
             completion, jnp.ones(2, bool), variant="sparse", group_size=2, gamma=1.0, prm_weight=1.0,
-            exec_failure_reward=0.0, format_penalty=0.0, scale_by_std=True)
+            exec_failure_reward=0.0, format_penalty=0.0, scale_by_std=True, std_ddof=0, std_eps=1e-6,
+            std_scope="group")
         batch = {"input_ids": setup["ids"], "attention_mask": setup["attention"], "completion_mask": completion,
                  "old_logp": old_logp, "advantages": adv}
         state, metrics = setup["update"](state, batch)
