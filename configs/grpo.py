@@ -91,7 +91,11 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.rl.beta = 0.04                          # KL to the reference; 0 skips the reference forward
     c.rl.gamma = 1.0
     c.rl.agg = "token-mean"
-    c.rl.scale_by_std = True
+    c.rl.scale_by_std = True                  # divide the centred rewards by their std (False: Dr. GRPO)
+    c.rl.std_ddof = 0                         # that std: 0 population, 1 sample (TRL, tunix); docs/grpo.md
+    c.rl.std_eps = 1e-6                       # added to it (TRL: 1e-4); only stops 0/0 in equal-reward groups
+    c.rl.std_scope = "group"                  # group | batch (TRL's scale_rewards="batch"); docs/grpo.md
+    c.rl.kl_bias_correction = False           # beta's k3 term x the ratio (TRL's default True); docs/grpo.md
 
     c.optim = ConfigDict()
     c.optim.lr = 1e-6 if big else 1e-4
