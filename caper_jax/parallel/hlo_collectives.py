@@ -50,8 +50,9 @@ From ``ENTRY``, every called computation is counted where it is executed:
 
 * ``while``: the body times the trip count: ``backend_config``'s ``known_trip_count`` if present, else
   the loop condition's ``compare`` of the induction variable against a constant (looking through a
-  fused condition), minus the variable's initial value when it is a constant (else 0), assuming a step
-  of 1; nested loops multiply. A loop whose count cannot be read counts once and is listed in
+  fused condition), from the variable's initial value when it is a constant (else 0), in steps of the
+  constant the body adds to it (else 1; the TPU compiler's windowed einsum loops step by 2); nested
+  loops multiply. A loop whose count cannot be read counts once and is listed in
   ``Analysis.loops`` with ``source="unknown"``.
 * ``conditional``: the branch that moves the most bytes (an upper bound for one execution).
 * ``fusion``, ``call``, ``async-start`` and every other ``calls=`` / ``to_apply=``: once per execution
@@ -62,10 +63,11 @@ Asynchronous collectives are counted once: ``all-gather-start`` / ``all-reduce-s
 collective fusions repeat the same collective (same ``channel_id``) in a start fusion, optional
 overlapped fusions and a done fusion, so collectives are deduplicated by ``channel_id`` within one
 execution of a computation (the largest count wins). The TPU compiler's ``all-reduce-scatter`` fusion
-(an all-reduce whose result is sliced to this chip's shard) counts as a ``reduce-scatter``.
-Limitations: a computation called from two sites of one computation that both run collectives with
-the same ``channel_id`` is counted once there (compiled TPU HLO has no such calls: they are inlined);
-loop steps other than 1 are not read.
+(an all-reduce whose result is sliced to this chip's shard) counts as a ``reduce-scatter`` of its operands,
+including the custom form whose body holds no collective instruction (``emitter: AllReduceScatterFusion``:
+the fusion instruction itself is the collective; its group is operand bytes over result bytes).
+Limitation: a computation called from two sites of one computation that both run collectives with
+the same ``channel_id`` is counted once there (compiled TPU HLO has no such calls: they are inlined).
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ _OPCODES = {
     "collective-permute": ("collective-permute", "operand"),
     "collective-permute-start": ("collective-permute", "operand"),
 }
+
+COLLECTIVE_OPCODES = tuple(_OPCODES)   # the HLO opcodes counted as collectives (their -done halves are not)
 
 _DTYPE_BITS = {
     "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32,
@@ -421,12 +425,35 @@ def _trip_count(inst: Instruction, parent: Computation, module: Module) -> tuple
         if state is not None and state.opcode == "tuple" and lhs[1] < len(state.operands):
             value = _resolve_constant(parent, state.operands[lhs[1]], module)
             init = value if value is not None else 0
+    body_name = next((c for k, c in _callees(inst) if k == "body"), None)
+    step = _step(module.computations.get(body_name), lhs[1], module) if body_name else None
+    step = step or (1 if direction in ("LT", "LE", "NE") else -1)
     bound = rhs[1]
-    trips = {"LT": bound - init, "LE": bound - init + 1, "NE": bound - init,
-             "GT": init - bound, "GE": init - bound + 1}.get(direction)
-    if trips is None:
+    span = {"LT": bound - init, "LE": bound - init + 1, "NE": bound - init,
+            "GT": init - bound, "GE": init - bound + 1}.get(direction)
+    if span is None:
         return 1, "unknown"
-    return max(trips, 0), "condition"
+    stride = step if direction in ("LT", "LE", "NE") else -step
+    if stride <= 0:
+        return 1, "unknown"
+    return max(-(-span // stride), 0), "condition"
+
+
+def _step(body: Computation | None, index: int, module: Module) -> int | None:
+    """The constant the loop body adds to (or subtracts from) loop state element ``index``, if it does."""
+    if body is None or body.root is None or body.root.opcode != "tuple" or index >= len(body.root.operands):
+        return None
+    inst = body.by_name.get(body.root.operands[index])
+    while inst is not None and inst.opcode in ("copy", "convert", "bitcast") and inst.operands:
+        inst = body.by_name.get(inst.operands[0])
+    if inst is None or inst.opcode not in ("add", "subtract") or len(inst.operands) != 2:
+        return None
+    a, b = inst.operands
+    for state, other, sign in ((a, b, 1), (b, a, 1)) if inst.opcode == "add" else ((a, b, -1),):
+        value = _resolve_constant(body, other, module)
+        if value is not None and _tuple_index(body, state) == index:
+            return sign * value
+    return None
 
 
 def _operand_bytes(inst: Instruction, comp: Computation) -> int | None:
@@ -490,6 +517,16 @@ def analyze(hlo_text: str) -> Analysis:
                 merge(acc, {key: (c, 1)}, 1)
             callees = _callees(inst)
             if not callees:
+                continue
+            if inst.opcode == "fusion" and any(c.startswith("all-reduce-scatter") for _, c in callees):
+                # The TPU compiler's AllReduceScatterFusion: a custom fusion whose body only slices; the
+                # collective is the fusion itself, the full gradients in, this chip's shards out.
+                contributed = _operand_bytes(inst, comp)
+                shard = shape_bytes(inst.shape)
+                contributed = contributed if contributed is not None else shard
+                c = Collective("reduce-scatter", inst.name, name, contributed, 1,
+                               max(1, round(contributed / shard)) if shard else 1, None, "")
+                merge(acc, {("instruction", name, inst.name): (c, 1)}, 1)
                 continue
             if inst.opcode == "while":
                 trips, source = _trip_count(inst, comp, module)

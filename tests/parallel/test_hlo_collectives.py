@@ -148,7 +148,28 @@ HloModule loops, num_partitions=4
   ROOT %f = pred[] fusion(%kk, %seven), kind=kLoop, calls=%fused_cond_compare
 }
 
-ENTRY %main (p: f32[10], q: f32[8], u: f32[6]) -> f32[10] {
+%step_body (sp: (u32[], f32[4])) -> (u32[], f32[4]) {
+  %sp = (u32[], f32[4]) parameter(0)
+  %m = u32[] get-tuple-element(%sp), index=0
+  %v4 = f32[4] get-tuple-element(%sp), index=1
+  %a2a = f32[4] all-to-all(%v4), channel_id=4, replica_groups=[1,4]<=[4], dimensions={0}
+  %two = u32[] constant(2)
+  %m2 = u32[] add(%two, %m)
+  ROOT %r = (u32[], f32[4]) tuple(%m2, %a2a)
+}
+
+%step_cond (sc: (u32[], f32[4])) -> pred[] {
+  %sc = (u32[], f32[4]) parameter(0)
+  %mm = u32[] get-tuple-element(%sc), index=0
+  %sixteen = u32[] constant(16)
+  ROOT %lt = pred[] compare(%mm, %sixteen), direction=LT
+}
+
+ENTRY %main (p: f32[10], q: f32[8], u: f32[6], s: f32[4]) -> f32[10] {
+  %s = f32[4] parameter(3)
+  %u0 = u32[] constant(0)
+  %t4 = (u32[], f32[4]) tuple(%u0, %s)
+  %loop4 = (u32[], f32[4]) while(%t4), condition=%step_cond, body=%step_body
   %p = f32[10] parameter(0)
   %q = f32[8] parameter(1)
   %u = f32[6] parameter(2)
@@ -168,11 +189,13 @@ def test_loops_multiply_by_their_trip_counts():
     # inner loop: 4 trips (backend_config; its condition's 1000 must not be used) inside an outer loop of
     # 3 (condition: i < 3 from a copied constant 0): all-reduce f32[10] = 40 B, 12 times = 480. The outer
     # body's all-gather f32[32] = 128 B, 3 times = 384. Third loop: fused condition 7 > k, k from 2: 5 trips
-    # of a collective-permute of f32[6] = 24 B = 120.
+    # of a collective-permute of f32[6] = 24 B = 120. Fourth loop: 0 to 16 in steps of 2 (as the TPU compiler's
+    # windowed einsum loops count): 8 trips of an all-to-all of f32[4] = 16 B = 128.
     assert collective_bytes(LOOPS) == {"all-gather": 384, "reduce-scatter": 0, "all-reduce": 480,
-                                       "all-to-all": 0, "collective-permute": 120}
+                                       "all-to-all": 128, "collective-permute": 120}
     loops = {l.name: (l.trip_count, l.source) for l in analyze(LOOPS).loops}
-    assert loops == {"loop": (3, "condition"), "w": (4, "backend_config"), "loop3": (5, "condition")}
+    assert loops == {"loop": (3, "condition"), "w": (4, "backend_config"), "loop3": (5, "condition"),
+                     "loop4": (8, "condition")}
 
 
 ASYNC_FUSIONS = _module("""
@@ -289,6 +312,34 @@ def test_conditional_takes_the_costlier_branch_and_all_reduce_scatter_is_a_reduc
                                                "all-to-all": 0, "collective-permute": 0}
     assert collective_bytes(_branches(10)) == {"all-gather": 0, "reduce-scatter": 8192, "all-reduce": 400,
                                                "all-to-all": 0, "collective-permute": 0}
+
+
+def test_all_reduce_scatter_fusion_without_a_collective_in_its_body():
+    # As libtpu 0.0.42 emits the FSDP gradient reduction (emitter AllReduceScatterFusion): the body only slices,
+    # the fusion instruction is the collective. Two gradients f32[256,128] + f32[128,128] in (196,608 B),
+    # each chip's halves out: a reduce-scatter of the operands over 2 chips.
+    text = _module("""
+%all-reduce-scatter.26 (input_0: f32[256,128], input_1: f32[128,128]) -> (f32[256,64], f32[128,64]) {
+  %input_0 = f32[256,128] parameter(0)
+  %input_1 = f32[128,128] parameter(1)
+  %pid = u32[] partition-id()
+  %c64 = u32[] constant(64)
+  %off = u32[] multiply(%pid, %c64)
+  %c0 = u32[] constant(0)
+  %d0 = f32[256,64] dynamic-slice(%input_0, %c0, %off), dynamic_slice_sizes={256,64}
+  %d1 = f32[128,64] dynamic-slice(%input_1, %c0, %off), dynamic_slice_sizes={128,64}
+  ROOT %t = (f32[256,64], f32[128,64]) tuple(%d0, %d1)
+}
+
+ENTRY %main (a: f32[256,128], b: f32[128,128]) -> (f32[256,64], f32[128,64]) {
+  %a = f32[256,128] parameter(0)
+  %b = f32[128,128] parameter(1)
+  ROOT %f = (f32[256,64], f32[128,64]) fusion(%a, %b), kind=kCustom, calls=%all-reduce-scatter.26, backend_config={"collective_algorithm_config":{"emitter":"AllReduceScatterFusion"}}
+}
+""")
+    analysis = analyze(text)
+    assert analysis.bytes["reduce-scatter"] == (256 * 128 + 128 * 128) * 4
+    assert [c.group_size for c in analysis.collectives] == [2]
 
 
 def test_largest_shapes_skips_fusion_bodies_unless_asked():
