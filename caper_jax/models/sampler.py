@@ -11,6 +11,11 @@ Design:
     to the end, updated in place; scanning the stacked weights made XLA:CPU copy each group's slice
     out at every token (and once more in the prefill), and a stacked cache made it copy every state
     out and back (``SamplingConfig.copy_layer_weights``).
+  * ``generate(..., group_size=G)`` (GRPO's groups) prefills each distinct prompt once and repeats
+    its first-token logits, KV cache and DeltaNet conv / recurrent states to G consecutive rows inside
+    the prefill program, before the decode loop: the prefill's FLOPs are those of the P prompts, not
+    of the P × G rows, and the samples are those of the repeated prompts (the row keys are split
+    over the P × G rows either way; docs/grpo.md for when the log-probs are equal bit for bit).
   * The loop is a ``lax.while_loop`` that exits as soon as every sequence has emitted a stop token,
     so short answers cost short time; ``max_new_tokens`` bounds it.
   * Sequences finish independently (done mask). After its stop token a sequence emits ``pad_id``
@@ -148,15 +153,34 @@ def _cut_layer_groups(graphdef, state) -> list[nnx.State]:
     return nnx.merge(graphdef, state).layer_groups()
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "cache_dtype"))
-def _prefill(graphdef, state, prompt_ids, prompt_mask, layer_groups=None, *, max_len: int, cache_dtype: str):
-    """First-token logits and the cache; with ``layer_groups`` the cache comes out per group."""
+def repeat_rows(first_logits: jax.Array, cache, group_size: int):
+    """Each prompt's first-token logits and cache repeated to ``group_size`` consecutive rows
+    (row ``p * group_size + i`` continues prompt ``p``), in the cache's layout (``Qwen35Cache``):
+    the layer blocks' batch axis is 1 when stacked over groups ([G, B, ...]) and 0 per group; the
+    rows' ``positions`` and ``valid`` lead with it; the slot ``index`` is shared by every row."""
+    if group_size == 1:
+        return first_logits, cache
+
+    def rows(x: jax.Array, axis: int = 0) -> jax.Array:
+        return jnp.repeat(x, group_size, axis=axis)
+
+    block_axis = 0 if cache.grouped else 1
+    return rows(first_logits), cache.replace(blocks=jax.tree.map(lambda x: rows(x, block_axis), cache.blocks),
+                                             positions=rows(cache.positions), valid=rows(cache.valid))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "cache_dtype", "group_size"))
+def _prefill(graphdef, state, prompt_ids, prompt_mask, layer_groups=None, *, max_len: int, cache_dtype: str,
+             group_size: int = 1):
+    """First-token logits and the cache; with ``layer_groups`` the cache comes out per group. The
+    prompts [P, T] are read once and their logits and cache leave repeated to P × ``group_size``
+    rows (``repeat_rows``): a GRPO group's G completions share one prefill."""
     model = nnx.merge(graphdef, state)
     cache = model.init_cache(prompt_ids.shape[0], max_len, jnp.dtype(cache_dtype))
     if layer_groups is not None:
         cache = cache.per_group()
     logits, cache = model.prefill(prompt_ids, prompt_mask, cache, layer_groups)
-    return _last_logits(logits).astype(jnp.float32), cache
+    return repeat_rows(_last_logits(logits).astype(jnp.float32), cache, group_size)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("cache",))
@@ -201,8 +225,9 @@ def generate(
     prompt_mask: jax.Array,
     key: jax.Array,
     config: SamplingConfig,
+    group_size: int = 1,
 ) -> SampleOutput:
-    """Samples ``config.max_new_tokens`` continuations of left-padded prompts.
+    """Samples ``config.max_new_tokens`` continuations of left-padded prompts, ``group_size`` per prompt.
 
     Args:
       model: a ``Qwen35ForCausalLM`` (anything with ``init_cache`` / ``prefill`` / ``decode_step``, and
@@ -211,15 +236,23 @@ def generate(
       prompt_mask: [B, P], 1 on prompt tokens, 0 on left padding.
       key: a PRNG key (see the module docstring for how it is split).
       config: sampling options.
+      group_size: completions per prompt. The output has B = P × ``group_size`` rows, rows
+        ``p * group_size`` to ``(p + 1) * group_size - 1`` continuing prompt ``p``; the prompts are
+        prefilled once and the cache repeated (``_prefill``). Same samples as ``group_size = 1`` on
+        the prompts repeated row by row (``np.repeat(prompt_ids, group_size, axis=0)``): the row keys
+        are split over the B output rows either way.
     """
     if prompt_ids.ndim != 2 or prompt_mask.shape != prompt_ids.shape:
         raise SamplingError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must be equal [B, P]")
+    if group_size < 1:
+        raise SamplingError(f"group_size must be >= 1, got {group_size}")
     graphdef, state = nnx.split(model)
     max_len = prompt_ids.shape[1] + config.max_new_tokens
     layer_groups = _cut_layer_groups(graphdef, state) if on_cpu_unless(config.copy_layer_weights) else None
     first_logits, cache = _prefill(
-        graphdef, state, prompt_ids, prompt_mask, layer_groups, max_len=max_len, cache_dtype=config.cache_dtype
+        graphdef, state, prompt_ids, prompt_mask, layer_groups, max_len=max_len, cache_dtype=config.cache_dtype,
+        group_size=group_size,
     )
-    row_keys = jax.random.split(key, prompt_ids.shape[0])
+    row_keys = jax.random.split(key, first_logits.shape[0])
     output, _ = _decode(graphdef, state, first_logits, cache, row_keys, layer_groups, config=config)
     return output

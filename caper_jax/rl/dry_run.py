@@ -3,8 +3,9 @@
 One step of ``caper_jax.rl.trainer.run`` runs these device programs (``caper_jax.rl.step``), in this order
 (the host-side decoding, clause splitting and SQL execution in between allocate nothing on the devices):
 
-  1. ``prefill``   sampler ``_prefill``: the policy reads the left-padded prompts (rows = prompts × G)
-                   and creates the KV / conv / recurrent caches for prompt + new tokens;
+  1. ``prefill``   sampler ``_prefill``: the policy reads each left-padded prompt once (tokens =
+                   prompts × prompt length) and creates the KV / conv / recurrent caches for prompt +
+                   new tokens, repeated to the rows = prompts × G the decode samples (``group_size``);
   2. ``decode``    sampler ``_decode``: the ``while_loop`` of decode steps, cache donated (its FLOPs
                    are counted for ``max_new_tokens - 1`` trips: every row running to the end);
   3. ``prm``       ``prm_token_scores``: the frozen Clause-PRM over prompt + completion, one forward;
@@ -133,17 +134,19 @@ def plan(settings, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print
                                        result["memory"]["peak_bytes"] + others, result["compile_s"])
         return result
 
-    ids_p = _replicated(mesh, (rows, prompt_len), jnp.int32)
+    # The trainer prefills each distinct prompt once (prompts × prompt_len positions computed) and the
+    # program repeats the cache to the rows the decode samples; its rows are those (its memory, the
+    # cache it returns, grows with them, and ``fit`` puts every program on one axis of rollout rows).
+    ids_p = _replicated(mesh, (prompts, prompt_len), jnp.int32)
+    prefill_static = {"max_len": full, "cache_dtype": sampling.cache_dtype, "group_size": group}
     if "prefill" in programs or "decode" in programs:
         pre = run("prefill", _prefill, (graphdef, state.params, ids_p, ids_p), uses=("policy_params",),
-                  tokens=rows * prompt_len, n_rows=rows,
-                  static={"max_len": full, "cache_dtype": sampling.cache_dtype})
+                  tokens=prompts * prompt_len, n_rows=rows, static=prefill_static)
         if "decode" in programs:
             logits_s, cache_s = pre["output_shardings"]
             first_logits = jax.ShapeDtypeStruct((rows, arch.vocab_size), jnp.float32, sharding=logits_s)
             cache = _with_shardings(jax.eval_shape(
-                lambda p, i, m: _prefill(graphdef, p, i, m, max_len=full, cache_dtype=sampling.cache_dtype)[1],
-                state.params, ids_p, ids_p), cache_s)
+                lambda p, i, m: _prefill(graphdef, p, i, m, **prefill_static)[1], state.params, ids_p, ids_p), cache_s)
             keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), rows))
             keys = jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
             run("decode", _decode, (graphdef, state.params, first_logits, cache, keys), uses=("policy_params",),

@@ -213,14 +213,18 @@ def run(settings: GrpoSettings, workdir: str) -> dict:
 
     def step(state, step):
         t_start = time.perf_counter()
-        indices = np.repeat(np.asarray(next(data_iter)), group)  # consecutive rows = one group
-        prompt_ids, prompt_mask = prompt_batch([prompts[i] for i in indices], tokenizer,
+        distinct = np.asarray(next(data_iter))
+        prompt_ids, prompt_mask = prompt_batch([prompts[i] for i in distinct], tokenizer,
                                                settings.sampling.max_prompt_len,
                                                pad_id=pad_id, widths=widths)
+        # Each prompt is prefilled once and its cache repeated to its G rows (the sampler's group_size):
+        # the same samples as prefilling it G times, for 1/G of the prefill's FLOPs.
         output = generate(nnx.merge(graphdef, state.params), jnp.asarray(prompt_ids), jnp.asarray(prompt_mask),
-                          jax.random.fold_in(base_key, step), sampling)
+                          jax.random.fold_in(base_key, step), sampling, group_size=group)
         jax.block_until_ready(output)
         t_sampled = time.perf_counter()
+        indices = np.repeat(distinct, group)  # consecutive rows = one group
+        prompt_ids, prompt_mask = np.repeat(prompt_ids, group, axis=0), np.repeat(prompt_mask, group, axis=0)
         rollout = rollout_lib.assemble_rollout(
             prompt_ids, prompt_mask, output, tokenizer, executors, [examples[i].db_id for i in indices],
             [examples[i].sql for i in indices], [golds[i] for i in indices], stop_tokens, reward_cfg)

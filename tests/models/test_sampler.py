@@ -170,6 +170,61 @@ def test_stop_tokens_end_each_sequence(model, prompts, greedy):
     assert lengths[0] == 2
 
 
+GROUP = 3  # completions per prompt in the group-prefill tests
+
+
+@pytest.fixture(scope="module")
+def long_prompts():
+    """Two left-padded prompts of 64 and 44 tokens (pad id 0): 128 prompt positions, so that every row
+    reduction of the prefill (RMSNorms, l2 norms, softmaxes) reads >= 4096 elements for the 2 prompts
+    as for their 6 repeated rows (see test_group_prefill_of_short_prompts_within_rounding)."""
+    rng = np.random.default_rng(2)
+    rows = [rng.integers(1, 256, n).tolist() for n in (64, 44)]
+    ids = np.array([[0] * (64 - len(r)) + r for r in rows], np.int32)
+    mask = np.array([[0] * (64 - len(r)) + [1] * len(r) for r in rows], np.int32)
+    return ids, mask
+
+
+def _group_and_repeated(model, ids, mask, key, config):
+    """(prompts prefilled once, group_size=GROUP; the old path: the prompts repeated GROUP times row by row)."""
+    grouped = generate(model, jnp.asarray(ids), jnp.asarray(mask), key, config, group_size=GROUP)
+    repeated = generate(model, jnp.asarray(np.repeat(ids, GROUP, axis=0)), jnp.asarray(np.repeat(mask, GROUP, axis=0)),
+                        key, config)
+    return grouped, repeated
+
+
+@pytest.mark.parametrize("copy", [True, False], ids=["per-group-cache", "stacked-cache"])
+def test_group_prefill_samples_equal_repeated_prompts_bit_for_bit(model, long_prompts, copy):
+    """Each prompt prefilled once and its cache repeated to its G rows samples what the prompts repeated
+    G times did (the row keys are split over the P x G rows either way): tokens, lengths and log-probs
+    equal bit for bit, on the CPU's per-group cache and the accelerators' stacked one."""
+    ids, mask = long_prompts
+    config = SamplingConfig(MAX_NEW, temperature=1.0, copy_layer_weights=copy)
+    grouped, repeated = _group_and_repeated(model, ids, mask, jax.random.key(5), config)
+    assert np.asarray(grouped.tokens).shape == (2 * GROUP, MAX_NEW)
+    np.testing.assert_array_equal(np.asarray(grouped.tokens), np.asarray(repeated.tokens))
+    np.testing.assert_array_equal(np.asarray(grouped.lengths), np.asarray(repeated.lengths))
+    np.testing.assert_array_equal(np.asarray(grouped.log_probs), np.asarray(repeated.log_probs))
+    # The G rows of a group are different samples of one prompt: not one row copied.
+    for group in np.asarray(grouped.tokens).reshape(2, GROUP, MAX_NEW):
+        assert len({tuple(row) for row in group}) == GROUP
+
+
+def test_group_prefill_of_short_prompts_within_rounding(model, prompts):
+    """The fixture's 3 prompts of <= 7 tokens: same tokens and lengths; log-probs equal to rounding.
+    XLA:CPU (jaxlib 0.10.2) hands a reduction of >= 4096 elements to YNNPACK (``__ynn_fusion``) and
+    emits a smaller one itself (a 32-wide reduce-window, then a reduce), summing in another order:
+    the 64-wide RMSNorm of 3 x 7 rows falls under that size, of 12 x 7 rows over it, so the two
+    prefills' logits and states differ in the last bits (measured: 1-2 ulps of log-probs of order 5).
+    Tolerance: a few ulps per reduction of order-1 values, through 4 layers and the LM head, bound
+    log-probs of order 10 by 1e-5."""
+    ids, mask, _ = prompts
+    grouped, repeated = _group_and_repeated(model, ids, mask, jax.random.key(5), NUCLEUS)
+    np.testing.assert_array_equal(np.asarray(grouped.tokens), np.asarray(repeated.tokens))
+    np.testing.assert_array_equal(np.asarray(grouped.lengths), np.asarray(repeated.lengths))
+    np.testing.assert_allclose(np.asarray(grouped.log_probs), np.asarray(repeated.log_probs), rtol=0, atol=1e-5)
+
+
 def test_invalid_sampling_config_is_a_typed_error():
     with pytest.raises(SamplingError):
         SamplingConfig(0)
@@ -177,6 +232,9 @@ def test_invalid_sampling_config_is_a_typed_error():
         SamplingConfig(4, top_p=0.0)
     with pytest.raises(SamplingError):
         SamplingConfig(4, temperature=-1.0)
+    with pytest.raises(SamplingError, match="group_size"):
+        generate(None, jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), jnp.int32), jax.random.key(0),
+                 SamplingConfig(4), group_size=0)
 
 
 def test_first_argmax_is_numpy_argmax_with_ties_nans_and_infinities():

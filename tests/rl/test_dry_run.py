@@ -14,6 +14,27 @@ from tests.helpers import simulated_devices_env
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _repeated_prompts_prefill_flops(settings) -> float:
+    """Matmul FLOPs of the prefill the trainer ran before each prompt was prefilled once: the prompts
+    repeated to their G rows, group_size 1 (traced only, no compile)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from caper_jax.loop import dry_run_architecture
+    from caper_jax.models import Qwen35ForCausalLM
+    from caper_jax.models.sampler import _prefill
+    from caper_jax.parallel.dry_run import jaxpr_matmul_flops
+
+    model = nnx.eval_shape(lambda: Qwen35ForCausalLM(dry_run_architecture(settings), rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(model)
+    rows = settings.rl.prompts_per_step * settings.rl.group_size
+    ids = jax.ShapeDtypeStruct((rows, settings.sampling.max_prompt_len), jnp.int32)
+    traced = _prefill.trace(graphdef, params, ids, ids, max_len=ids.shape[1] + settings.sampling.max_new_tokens,
+                            cache_dtype="float32")
+    return jaxpr_matmul_flops(traced.jaxpr.jaxpr)
+
+
 def _child() -> dict:
     from caper_jax.rl import dry_run as plan_lib
     from caper_jax.parallel.mesh import make_mesh
@@ -26,8 +47,10 @@ def _child() -> dict:
     config.sampling.max_prompt_len, config.sampling.max_new_tokens = 16, 4
     config.sampling.prompt_widths = (16,)   # the ladder ends at max_prompt_len (checked by the settings)
     config.rl.group_size, config.rl.prompts_per_step, config.rl.num_minibatches = 2, 2, 2
-    result = plan_lib.plan(validate(config), make_mesh((1, -1, 1)), print_fn=None)
+    settings = validate(config)
+    result = plan_lib.plan(settings, make_mesh((1, -1, 1)), print_fn=None)
     out = {k: v for k, v in result.items() if k != "programs"}
+    out["repeated_prompts_prefill_flops"] = _repeated_prompts_prefill_flops(settings)
     out["programs"] = {k: v.as_dict() for k, v in result["programs"].items()}
     out["update_epochs"] = config.rl.update_epochs
     return out
@@ -55,7 +78,11 @@ def test_grpo_step_programs_and_resident_memory():
         others = sum(v for k, v in persistent.items() if k not in uses[name])
         assert figures["resident_bytes"] == figures["memory"]["peak_bytes"] + others, name
         assert figures["matmul_flops"] > 0, name
-    assert programs["prefill"]["tokens"] == 4 * 16 and programs["decode"]["tokens"] == 4 * 3
+    # Each of the 2 prompts prefilled once, its cache repeated to its G = 2 rows: half the FLOPs of
+    # prefilling the 4 repeated rows (matmul FLOPs are linear in rows).
+    assert programs["prefill"]["tokens"] == 2 * 16 and programs["prefill"]["rows"] == 4
+    assert programs["prefill"]["matmul_flops"] * 2 == result["repeated_prompts_prefill_flops"]
+    assert programs["decode"]["tokens"] == 4 * 3
     assert programs["prm"]["tokens"] == programs["reference"]["tokens"] == 4 * 20
     # The PRM program's output: the 4 completions' scores only, [4, 4] fp32 (not [4, 20]).
     assert programs["prm"]["memory"]["output_bytes"] <= 4 * 4 * 4

@@ -180,20 +180,22 @@ class Recorder:
         monkeypatch.setattr(T, "generate", self.generate)
         monkeypatch.setattr(T, "advantages_from_rewards", self.advantages)
 
-    def generate(self, model, prompt_ids, prompt_mask, key, sampling):
-        """The real sampler, or (``forced``) the given completions with log-probs 0."""
+    def generate(self, model, prompt_ids, prompt_mask, key, sampling, group_size=1):
+        """The real sampler, or (``forced``) the given completions with log-probs 0. Records each row's
+        prompt: the step's distinct prompts repeated to their groups, as the rollout lays them out."""
         from caper_jax.models.sampler import SampleOutput, generate
 
         if self.forced is None:
-            output = generate(model, prompt_ids, prompt_mask, key, sampling)
+            output = generate(model, prompt_ids, prompt_mask, key, sampling, group_size=group_size)
         else:
-            rows = prompt_ids.shape[0]
+            rows = prompt_ids.shape[0] * group_size
             tokens = np.full((rows, sampling.max_new_tokens), sampling.pad_id, np.int32)
             for b in range(rows):
                 tokens[b, :len(self.forced[b])] = self.forced[b]
             output = SampleOutput(jnp.asarray(tokens), jnp.asarray([len(f) for f in self.forced], jnp.int32),
                                   jnp.zeros(tokens.shape, jnp.float32))
-        self.samples.append(dict(prompt_ids=np.asarray(prompt_ids), prompt_mask=np.asarray(prompt_mask),
+        self.samples.append(dict(prompt_ids=np.repeat(np.asarray(prompt_ids), group_size, axis=0),
+                                 prompt_mask=np.repeat(np.asarray(prompt_mask), group_size, axis=0),
                                  tokens=np.asarray(output.tokens), lengths=np.asarray(output.lengths)))
         return output
 
