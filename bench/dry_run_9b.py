@@ -177,7 +177,7 @@ def main() -> None:
           f"6N = {6 * dense:.4e}, 8N = {8 * dense:.4e}")
     LOAD.finish()
     if ARGS.json:
-        print(json.dumps({"args": vars(ARGS), **{k: v for k, v in result.items() if k != "output_shardings"},
+        print(json.dumps({"args": vars(ARGS), **{k: v for k, v in result.items() if k not in ("output_shardings", "compiled")},
                           "load": LOAD.as_dict()}))
 
 

@@ -32,6 +32,7 @@ from caper_jax.parallel import dry_run as dry_run_lib
 from caper_jax.parallel import mesh as mesh_lib
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
+from caper_jax.parallel import target
 from caper_jax.sections import TrainerSettings
 from caper_jax.settings import as_dict
 from caper_jax.utils.errors import NonFiniteLossError, Preempted
@@ -42,8 +43,9 @@ from caper_jax.utils.optim import TrainState, init_state, learning_rate, make_op
 
 
 def mesh_and_rules(settings) -> tuple[Any, tuple]:
-    """The device mesh of ``settings.mesh_shape`` and the logical-axis rules."""
-    return mesh_lib.make_mesh(dict(settings.mesh_shape)), settings.sharding_rules
+    """The device mesh of ``settings.mesh_shape`` (over the compile target's devices: ``parallel.target``) and
+    the logical-axis rules."""
+    return mesh_lib.make_mesh(dict(settings.mesh_shape), devices=target.devices()), settings.sharding_rules
 
 
 # -- state and jitted steps
@@ -295,24 +297,47 @@ def dry_run_architecture(settings, **changes):
     return model_preset(settings.model.preset, **{**runtime, **changes})
 
 
-def dry_run(settings, module: type[nnx.Module], make_step: Callable[[Any, Any], Callable],
-            make_batch: Callable[[Callable], dict], description: str) -> dict:
-    """Lowers + compiles a train step on abstract shapes for the current devices; no weights.
+@dataclasses.dataclass
+class AbstractRun:
+    """What a dry run compiles against: the mesh, the model's graphdef, the train state as sharded
+    ShapeDtypeStructs (no weights), the optimizer, and ``struct(shape, dtype)`` for a batch array."""
+    mesh: Any
+    rules: tuple
+    graphdef: Any
+    state: Any
+    tx: Any
 
-    ``module(arch, rngs=, mesh=, rules=)`` is the model of ``dry_run_architecture``; ``make_step(graphdef,
-    tx)`` the jitted step; ``make_batch(struct)`` its batch, ``struct(shape, dtype)`` being an abstract
-    array with the batch sharding.
-    """
+    def struct(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        """An abstract batch array: rows split over the batch axes, the rest replicated."""
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=multihost.batch_sharding(self.mesh, len(shape), self.rules))
+
+    def optimizer_bytes(self) -> int:
+        """Per device: the train state's bytes beyond the params (moments, counters), resident while the
+        run's other programs (evaluation, scoring) run."""
+        return dry_run_lib.device_bytes(self.state) - dry_run_lib.device_bytes(self.state.params)
+
+
+def abstract_run(settings, module: type[nnx.Module]) -> AbstractRun:
+    """``module(arch, rngs=, mesh=, rules=)`` of ``dry_run_architecture`` with its optimizer state, abstract and
+    sharded on the settings' mesh (over the compile target's devices); nothing allocated."""
     mesh, rules = mesh_and_rules(settings)
     arch = dry_run_architecture(settings)
     tx = make_optimizer(settings.optim)
     graphdef, abstract = rules_lib.abstract_train_state(
         lambda: module(arch, rngs=nnx.Rngs(0), mesh=mesh, rules=rules), lambda p: init_state(p, tx), mesh, rules)
+    return AbstractRun(mesh, rules, graphdef, abstract, tx)
 
-    def struct(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=multihost.batch_sharding(mesh, len(shape), rules))
 
-    batch = make_batch(struct)
-    step = make_step(graphdef, tx)
+def dry_run(settings, module: type[nnx.Module], make_step: Callable[[Any, Any], Callable],
+            make_batch: Callable[[Callable], dict], description: str, run: AbstractRun | None = None) -> dict:
+    """Lowers + compiles a train step on abstract shapes for the current devices; no weights.
+
+    ``module(arch, rngs=, mesh=, rules=)`` is the model of ``dry_run_architecture``; ``make_step(graphdef,
+    tx)`` the jitted step; ``make_batch(struct)`` its batch, ``struct(shape, dtype)`` being an abstract
+    array with the batch sharding. ``run``: the abstract run to compile against (default: built here).
+    """
+    run = run or abstract_run(settings, module)
+    batch = make_batch(run.struct)
+    step = make_step(run.graphdef, run.tx)
     print(description)
-    return dry_run_lib.report(step, (abstract, batch), mesh, params=abstract.params)
+    return dry_run_lib.report(step, (run.state, batch), run.mesh, params=run.state.params)

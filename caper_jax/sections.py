@@ -129,7 +129,7 @@ class TrainerSettings(MeshSettings):
 
 def check_devices(settings) -> None:
     """The mesh fits the devices of this job (``validate``: the machine, not the config, answers)."""
-    import jax   # counted only here: building settings touches no backend
+    from caper_jax.parallel import target   # counted only here: building settings touches no backend
 
-    mesh_lib.resolve_mesh_shape(tuple(settings.mesh_shape.values()), jax.device_count())
+    mesh_lib.resolve_mesh_shape(tuple(settings.mesh_shape.values()), len(target.devices()))
 

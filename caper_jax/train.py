@@ -2,6 +2,7 @@
 
     python -m caper_jax.train --config=configs/prm.py --workdir=runs/prm_demo
     python -m caper_jax.train --config=configs/prm.py:model=qwen35_9b --dry_run
+    python -m caper_jax.train --config=configs/prm.py:model=qwen35_9b,pod=v5e-256 --compile_for=v5e-256
     python -m caper_jax.train --config=configs/grpo.py --workdir=runs/grpo_demo
     python -m caper_jax.train --config=configs/sft.py --workdir=runs/sft_demo
     python -m caper_jax.train --config=configs/reproduce.py --workdir=runs/reproduce   # the whole experiment
@@ -11,7 +12,8 @@
 clear message before anything is built or compiled. ``config.trainer`` picks the loop; each loop is a
 module with ``validate(config) -> settings`` (the config turned once into the trainer's frozen settings,
 ``caper_jax.settings``; raises ValueError on a bad value, before anything is built), ``run(settings, workdir)``
-and ``dry_run(settings)``.
+and ``dry_run(settings)``; each trainer also ``compile_programs(settings)``, every program of its step for
+``--compile_for`` (``caper_jax.parallel.compile_for``).
 
 Exit status: 0 done; 2 a bad command line, config, workdir or input (one ``error:`` line on stderr);
 1 a run stopped by non-finite losses; 130 Ctrl-C; 143 SIGTERM (after saving the current step).
@@ -43,6 +45,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. con
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics, plots and exports go.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Lower and compile the train step on abstract shapes and "
                              "report parameters, FLOPs and per-device memory; allocate no weights.")
+_COMPILE_FOR = flags.DEFINE_string(
+    "compile_for", None, "A Cloud TPU slice (v5e-256, v5p-64, v6e-64, ...): compile every program of a step with "
+    "the TPU compiler for it, here, with no TPU; print memory per chip and collective bytes, last a JSON line; "
+    "exit 2 when a program does not fit with 5 % headroom (needs libtpu: pip install 'caper_jax[tpu]').")
 
 TRAINERS = {
     "prm": "caper_jax.prm.trainer",
@@ -79,6 +85,35 @@ def workdir_problem(workdir: str) -> str | None:
     return None
 
 
+def compile_for_slice(trainer, config, slice_name: str) -> None:
+    """``--compile_for``: the trainer's every program compiled for a TPU slice (``caper_jax.parallel.compile_for``);
+    exit 2 with one ``error:`` line when the slice is unknown, libtpu is missing, the config does not fit the
+    slice's mesh, or a program does not fit its chip."""
+    from caper_jax.loop import check_dry_run
+    from caper_jax.parallel import compile_for, slices, target
+
+    if not hasattr(trainer, "compile_programs"):
+        cli.usage_error(f"--compile_for: config.trainer={config.trainer!r} has no programs of its own; compile its "
+                        "stages' configs (configs/prm.py, sft.py, grpo.py)")
+    try:
+        tpu = slices.tpu_slice(slice_name)
+        devices = slices.slice_devices(tpu)
+    except ValueError as e:
+        cli.usage_error(str(e))
+    with target.compiling_for(devices):
+        try:
+            settings = trainer.validate(config)
+            check_dry_run(settings)
+        except (ValueError, KeyError) as e:
+            cli.usage_error(f"invalid config for {tpu.name}: {e}")
+        try:
+            report = compile_for.compile_for(tpu, settings, trainer.compile_programs)
+        except compile_for.CompileRefused as e:
+            cli.usage_error(str(e))
+    if (problem := compile_for.first_misfit(report)) is not None:
+        cli.usage_error(problem)
+
+
 def main(argv: list[str]) -> None:
     del argv
     logging.getLogger("caper_jax").setLevel(logging.INFO)
@@ -92,6 +127,9 @@ def main(argv: list[str]) -> None:
     if config.trainer not in TRAINERS:
         cli.usage_error(f"config.trainer={config.trainer!r}; known trainers: {sorted(TRAINERS)}")
     trainer = importlib.import_module(TRAINERS[config.trainer])
+    if _COMPILE_FOR.value:
+        compile_for_slice(trainer, config, _COMPILE_FOR.value)
+        return
     # Before anything touches a JAX backend (validate counts devices): a multi-process run must
     # join jax.distributed first, or every process sees only its own devices.
     multihost.initialize()

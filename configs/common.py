@@ -34,3 +34,20 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
                 raise ValueError(f"config arg {key}={value!r} is not {type(default).__name__}") from None
         result[key] = value
     return result
+
+
+def apply_pod(config: ml_collections.ConfigDict, pods: dict[str, dict], pod: str, model: str) -> None:
+    """Sets the fields of ``pods[pod]`` (dotted keys: ``"data.batch_size"``) on ``config``: one recipe per Cloud TPU
+    slice, each checked with ``--compile_for=<that slice>`` (docs/scale.md). Recipes are for Qwen3.5-9B."""
+    if not pod:
+        return
+    if pod not in pods:
+        raise KeyError(f"config arg pod={pod!r}; recipes exist for {sorted(pods)}")
+    if model != "qwen35_9b":
+        raise ValueError(f"config arg pod={pod!r} is a Qwen3.5-9B recipe: add model=qwen35_9b")
+    for dotted, value in pods[pod].items():
+        *parents, leaf = dotted.split(".")
+        section = config
+        for name in parents:
+            section = section[name]
+        section[leaf] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value

@@ -17,15 +17,30 @@ Variants (``:arg``, comma separated):
     :model=tiny|small|qwen35_9b   policy preset when starting from random weights
     :data=demo|spider             demo world, or Spider/BIRD layout data in --config.data.dir
     :steps=N                      GRPO steps (one rollout of prompts_per_step x group_size each)
+    :pod=v5p-64|v5p-128|v6e-64    a Qwen3.5-9B recipe for that Cloud TPU slice (PODS below), e.g.
+
+    python -m caper_jax.train --config=configs/grpo.py:variant=clause,model=qwen35_9b,pod=v5p-64 --compile_for=v5p-64
 """
 from ml_collections import ConfigDict
 
 from caper_jax.parallel.rules import DEFAULT_RULES
-from configs.common import parse_arg
+from configs.common import apply_pod, parse_arg
+
+# Qwen3.5-9B GRPO on Cloud TPU slices: mesh and the prompt widths of Spider (512) and BIRD with evidence (1536),
+# 32 prompts x G = 8 per step; each compiled with `--compile_for=<slice>` (every program at both widths) and
+# fitting with >= 5 % of HBM free (docs/scale.md).
+PODS = {
+    "v5p-64": {"mesh_shape": {"data": 1, "fsdp": 32, "tensor": 1}},
+    "v5p-128": {"mesh_shape": {"data": 1, "fsdp": 64, "tensor": 1}},
+    "v6e-64": {"mesh_shape": {"data": 1, "fsdp": 64, "tensor": 1}},
+}
+_POD_WIDTHS = {"sampling.prompt_widths": (512, 1536), "sampling.max_prompt_len": 1536}
+PODS = {name: {**recipe, **_POD_WIDTHS} for name, recipe in PODS.items()}
+
 
 
 def get_config(arg: str | None = None) -> ConfigDict:
-    arg = parse_arg(arg, variant="sparse", model="tiny", data="demo", steps=0)
+    arg = parse_arg(arg, variant="sparse", model="tiny", data="demo", steps=0, pod="")
     big = arg.model == "qwen35_9b"
     c = ConfigDict()
     c.trainer = "grpo"
@@ -123,4 +138,5 @@ def get_config(arg: str | None = None) -> ConfigDict:
     # the export's tensors: bfloat16 as the Qwen3.5 release ships (vLLM-CPU's DeltaNet needs it); float32
     # keeps a small model's fp32 parameters bit for bit
     c.export_dtype = "bfloat16" if big else "float32"
+    apply_pod(c, PODS, arg.pod, arg.model)
     return c

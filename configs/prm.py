@@ -9,24 +9,41 @@ Variants (``:arg``, comma separated):
     :model=tiny|small|qwen35_9b   backbone preset (qwen35_9b needs --config.model.hf_dir for real weights)
     :data=demo|spider             demo world, or Spider/BIRD layout data in --config.data.dir
     :steps=N                      training steps
+    :pod=v5e-256|v5p-64|v5p-128|v6e-64   a Qwen3.5-9B recipe for that Cloud TPU slice (PODS below)
 
 The paper's recipe, Qwen3.5-9B on Spider/BIRD-layout data (see README "Running at scale"):
 
     python -m caper_jax.train --config=configs/prm.py:model=qwen35_9b,data=spider \
         --config.model.hf_dir=/ckpt/Qwen3.5-9B --config.data.dir=/data/spider --workdir=/gcs/BUCKET/caper/prm9b
 
-Dry run of that step on the current devices (no weights allocated):
+Dry run of that step on the current devices (no weights allocated), and every program of it compiled by the TPU
+compiler for a slice's recipe (libtpu, no TPU needed):
 
     python -m caper_jax.train --config=configs/prm.py:model=qwen35_9b --dry_run
+    python -m caper_jax.train --config=configs/prm.py:model=qwen35_9b,pod=v5e-256 --compile_for=v5e-256
 """
 from ml_collections import ConfigDict
 
 from caper_jax.parallel.rules import DEFAULT_RULES
 from caper_jax.sql.tuples import AnnotationSettings
-from configs.common import parse_arg
+from configs.common import apply_pod, parse_arg
+
+# Qwen3.5-9B on Cloud TPU slices: mesh, pairs per step (2 sequences each) and the scoring batch (a multiple of
+# the batch shards), each compiled with `--compile_for=<slice>` and fitting with >= 5 % of HBM free
+# (docs/scale.md has the figures). Sequences per chip: v5e 2, v5p 4, v6e 2 (2,048 tokens each).
+PODS = {
+    "v5e-256": {"mesh_shape": {"data": 16, "fsdp": 16, "tensor": 1}, "data.batch_size": 256,
+                "data.eval_batch_size": 256},
+    "v5p-64": {"mesh_shape": {"data": 1, "fsdp": 32, "tensor": 1}, "data.batch_size": 64,
+               "data.eval_batch_size": 64},
+    "v5p-128": {"mesh_shape": {"data": 2, "fsdp": 32, "tensor": 1}, "data.batch_size": 128,
+                "data.eval_batch_size": 128},
+    "v6e-64": {"mesh_shape": {"data": 1, "fsdp": 64, "tensor": 1}, "data.batch_size": 64,
+               "data.eval_batch_size": 64},
+}
 
 def get_config(arg: str | None = None) -> ConfigDict:
-    arg = parse_arg(arg, model="tiny", data="demo", steps=0)
+    arg = parse_arg(arg, model="tiny", data="demo", steps=0, pod="")
     c = ConfigDict()
     c.trainer = "prm"
     c.seed = 0
@@ -124,4 +141,5 @@ def get_config(arg: str | None = None) -> ConfigDict:
     # the export's tensors: bfloat16 as the Qwen3.5 release ships (vLLM-CPU's DeltaNet needs it); float32
     # keeps a small model's fp32 parameters bit for bit
     c.export_dtype = "bfloat16" if arg.model == "qwen35_9b" else "float32"
+    apply_pod(c, PODS, arg.pod, arg.model)
     return c

@@ -41,6 +41,13 @@ for flag in SUITE_XLA_FLAGS:
     if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
+# libtpu is installed for the TPU-compile tests (requirements-test.txt). Without a TPU every `import jax` would
+# first try its backend (a log line on stderr, which the one-error-line tests read) and take its lock file, which a
+# second process loading it at once (the other xdist worker, a child) would then fail on. The CPU is the suite's
+# backend; `--compile_for` still compiles for a TPU topology under JAX_PLATFORMS=cpu. Subprocesses inherit both.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 # Tracing JAX programs allocates millions of short-lived containers: at CPython's default gen-0 threshold
 # (700) a test process ran its cyclic collector 8,300 times in tests/prm/test_step.py, sql/test_bird_dialect.py,
 # rl/test_advantages.py and models/test_sampler.py (7.9 s of their 114 s, timed with gc.callbacks); at 10,000

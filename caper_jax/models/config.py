@@ -231,9 +231,9 @@ def on_cpu_unless(choice: bool | None) -> bool:
     ``SamplingConfig.copy_layer_weights``: measured wins on XLA:CPU, not on accelerators)."""
     if choice is not None:
         return choice
-    import jax   # the config module itself imports no JAX
+    from caper_jax.parallel import target   # the config module itself imports no JAX
 
-    return jax.default_backend() == "cpu"
+    return target.platform() == "cpu"   # the compile target's (--compile_for), else this process's backend
 
 
 def qwen35_9b(**overrides: Any) -> Qwen35Config:

@@ -32,6 +32,8 @@ from flax import nnx
 from jax.extend import core as jcore
 from jax.sharding import Mesh
 
+from caper_jax.parallel import hlo_collectives
+
 GiB = 1024**3
 
 
@@ -146,8 +148,9 @@ def report(
 
     Returns a dict: ``params``, ``matmul_flops`` (global per step), ``matmul_flops_per_device``,
     ``xla_flops_per_device``, ``memory`` (per-device bytes: argument/output/alias/temp/peak),
-    ``mesh``, ``lower_s``, ``compile_s``, and ``output_shardings`` (not printed: the compiled
-    program's, to chain one program's outputs into the next one's abstract inputs).
+    ``collective_bytes`` (per device and call, by kind: ``parallel.hlo_collectives``),
+    ``mesh``, ``lower_s``, ``compile_s``, and, not printed, ``output_shardings`` (the compiled
+    program's, to chain one program's outputs into the next one's abstract inputs) and ``compiled``.
     """
     jitted = step_fn if hasattr(step_fn, "lower") else jax.jit(step_fn, donate_argnums=tuple(donate_argnums))
     with jax.set_mesh(mesh):
@@ -172,6 +175,9 @@ def report(
         "lower_s": lower_s,
         "compile_s": compile_s,
         "output_shardings": compiled.output_shardings,
+        # Bytes each kind of collective moves per call, per device, read from the compiled HLO (loops by their trip counts).
+        "collective_bytes": hlo_collectives.collective_bytes(compiled.as_text()),
+        "compiled": compiled,   # not printed
     }
     if print_fn is not None:
         print_fn(format_report(result))
@@ -188,6 +194,7 @@ def format_report(result: dict[str, Any]) -> str:
         f"XLA FLOPs/device   {result['xla_flops_per_device']:.4e} (loop bodies counted once)",
         "per-device memory  "
         + ", ".join(f"{k.removesuffix('_bytes')} {v / GiB:.2f} GiB" for k, v in mem.items()),
+        "collectives/device " + ", ".join(f"{k} {v / GiB:.3f} GiB" for k, v in result["collective_bytes"].items()),
         f"lower {result['lower_s']:.1f} s, compile {result['compile_s']:.1f} s",
     ]
     return "\n".join(lines)

@@ -9,6 +9,7 @@ periodic evaluation, resume, checkpoint saves) in ``caper_jax.loop``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -28,6 +29,7 @@ from caper_jax.data.data_world import DataWorld, prepare_world
 from caper_jax.data.spider import split_files
 from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.models.presets import model_preset
+from caper_jax.parallel import dry_run as dry_run_lib
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
 from caper_jax.prm import heldout
@@ -90,6 +92,11 @@ def annotate_split(world: DataWorld, split: str, settings: AnnotationSettings, c
     multihost.log_main("annotated %s: %d trajectories -> %d tuples in %.1f s (%s)", split,
                        len(trajectories), n, time.perf_counter() - start, path)
     return path
+
+
+# Clause positions per query in the compiled scoring program: the scoring batches' narrowest width
+# (caper_jax.data.prm_scoring_batches rounds K up to a multiple of 8), which holds every query of <= 8 clauses.
+CLAUSE_SLOTS = 8
 
 
 def validate(config) -> PrmSettings:
@@ -235,7 +242,7 @@ def run(settings: PrmSettings, workdir: str) -> dict:
     return results
 
 
-def dry_run(settings: PrmSettings) -> dict:
+def dry_run(settings: PrmSettings, run: loop.AbstractRun | None = None) -> dict:
     """Lower + compile the train step on abstract shapes for the current devices; no weights."""
     b, length = settings.data.batch_size, settings.data.max_len
 
@@ -260,4 +267,21 @@ def dry_run(settings: PrmSettings) -> dict:
         settings, ClausePRM, train_step, batch,
         f"Clause-PRM train step: preset {settings.model.preset} (vocabulary {vocab}, the preset's: a run uses its "
         f"tokenizer's), global batch {b} pairs{groups} x {length} tokens, remat {settings.model.remat}, "
-        f"params {settings.model.param_dtype}, compute {settings.model.dtype}")
+        f"params {settings.model.param_dtype}, compute {settings.model.dtype}", run=run)
+
+
+def compile_programs(settings: PrmSettings) -> dict[str, dict]:
+    """Every device program a PRM run compiles, on abstract shapes for the target's devices (``--compile_for``):
+    the train step, and the clause-scoring forward (evaluation, the verifier, GRPO's dense rewards) at
+    ``data.eval_batch_size`` queries of ``data.max_len`` tokens while the optimizer state stays resident."""
+    run = loop.abstract_run(settings, ClausePRM)
+    train = dry_run(settings, run)
+    rows, length = settings.data.eval_batch_size, settings.data.max_len
+    print(f"Clause scoring: {rows} queries x {length} tokens, {CLAUSE_SLOTS} clause positions each")
+    scoring = dry_run_lib.report(
+        jax.jit(functools.partial(step_lib.clause_scores, graphdef=run.graphdef)),
+        (run.state.params, run.struct((rows, length), jnp.int32), run.struct((rows, length), jnp.int32),
+         run.struct((rows, CLAUSE_SLOTS), jnp.int32)), run.mesh)
+    return {"train_step": {**train, "calls": 1, "resident_bytes": train["memory"]["peak_bytes"]},
+            "clause_scores": {**scoring, "calls": 0,
+                              "resident_bytes": scoring["memory"]["peak_bytes"] + run.optimizer_bytes()}}

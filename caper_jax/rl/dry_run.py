@@ -64,6 +64,8 @@ class ProgramFigures:
     memory: dict[str, int]         # per device (parallel.dry_run.report)
     resident_bytes: int            # per device, this program's peak + persistent buffers not its arguments
     compile_s: float
+    collective_bytes: dict[str, int]   # per call, per device, by kind (parallel.hlo_collectives)
+    trips: float = 1.0             # times its loop body runs per call (the decode loop's tokens)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -82,9 +84,10 @@ def _with_shardings(structs: Any, shardings: Any) -> Any:
 
 
 def plan(settings, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print,
-         update_entropy: bool = True) -> dict[str, Any]:
+         update_entropy: bool = True, prompt_width: int | None = None) -> dict[str, Any]:
     """Compiles the GRPO step's programs for ``settings`` (``GrpoSettings``) on ``mesh``; no weights.
     ``update_entropy``: the update of a logging step (with the policy's entropy) or of the others.
+    ``prompt_width``: the prompts' padded width (one of ``sampling.prompt_widths``; default the widest).
 
     Returns ``{"programs": {name: ProgramFigures}, "persistent": {name: bytes per device}, "config": ...}``.
     """
@@ -115,7 +118,7 @@ def plan(settings, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print
 
     group, prompts = settings.rl.group_size, settings.rl.prompts_per_step
     rows = prompts * group
-    prompt_len, new = settings.sampling.max_prompt_len, settings.sampling.max_new_tokens
+    prompt_len, new = prompt_width or settings.sampling.max_prompt_len, settings.sampling.max_new_tokens
     full = prompt_len + new
     minibatch = rows // settings.rl.num_minibatches
     # The accelerator's decode program: scanned layers read in place, no per-group weight copies (the
@@ -131,7 +134,8 @@ def plan(settings, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print
                         static_kwargs=static, while_trips=trips)
         others = sum(v for k, v in persistent.items() if k not in uses)
         figures[name] = ProgramFigures(name, n_rows, tokens, calls, result["matmul_flops"], result["memory"],
-                                       result["memory"]["peak_bytes"] + others, result["compile_s"])
+                                       result["memory"]["peak_bytes"] + others, result["compile_s"],
+                                       result["collective_bytes"], trips)
         return result
 
     # The trainer prefills each distinct prompt once (prompts × prompt_len positions computed) and the

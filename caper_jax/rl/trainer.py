@@ -346,3 +346,21 @@ def dry_run(settings: GrpoSettings) -> dict:
         settings, Qwen35ForCausalLM, lambda graphdef, tx: jit_update(graphdef, tx, settings), batch,
         f"GRPO update: preset {settings.model.preset}, minibatch {rows} x ({settings.sampling.max_prompt_len} + "
         f"{new}) tokens, beta {settings.rl.beta}, remat {settings.model.remat}")
+
+
+def compile_programs(settings: GrpoSettings) -> dict[str, dict]:
+    """Every device program a GRPO step runs (prefill, decode, Clause-PRM, reference, update: ``rl.dry_run``) at
+    each prompt width of ``sampling.prompt_widths``, on abstract shapes for the target's devices
+    (``--compile_for``); named ``program@width``. The update is the logging steps' (with the entropy)."""
+    from caper_jax.rl import dry_run as plan_lib   # it imports this module
+
+    mesh, _ = loop.mesh_and_rules(settings)
+    programs = {}
+    for width in check_prompt_widths(settings.sampling.prompt_widths, settings.sampling.max_prompt_len):
+        planned = plan_lib.plan(settings, mesh, prompt_width=width)
+        for name, figures in planned["programs"].items():
+            programs[f"{name}@{width}"] = {
+                "memory": figures.memory, "matmul_flops": figures.matmul_flops, "calls": figures.calls,
+                "resident_bytes": figures.resident_bytes, "collective_bytes": figures.collective_bytes,
+                "compile_s": figures.compile_s, "while_trips": figures.trips}
+    return programs

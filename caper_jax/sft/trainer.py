@@ -150,3 +150,10 @@ def dry_run(settings: SftSettings) -> dict:
         lambda struct: {key: struct((b, length), jnp.int32) for key in data_lib.BATCH_KEYS},
         f"SFT train step: preset {settings.model.preset}, global batch {b} x {length} tokens, "
         f"remat {settings.model.remat}, params {settings.model.param_dtype}, compute {settings.model.dtype}")
+
+
+def compile_programs(settings: SftSettings) -> dict[str, dict]:
+    """Every device program an SFT step runs (the train step), on abstract shapes for the target's devices
+    (``--compile_for``). The end-of-run greedy evaluation is the sampler's, as GRPO compiles it."""
+    train = dry_run(settings)
+    return {"train_step": {**train, "calls": 1, "resident_bytes": train["memory"]["peak_bytes"]}}
