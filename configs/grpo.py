@@ -111,6 +111,11 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.rl.std_eps = 1e-6                       # added to it (TRL: 1e-4); only stops 0/0 in equal-reward groups
     c.rl.std_scope = "group"                  # group | batch (TRL's scale_rewards="batch"); docs/grpo.md
     c.rl.kl_bias_correction = False           # beta's k3 term x the ratio (TRL's default True); docs/grpo.md
+    # The sampler/trainer mismatch (docs/grpo.md): old_logp from the trainer's own forward before the first
+    # update (one policy forward more per step), and a truncated importance weight min(trainer/sampler, cap)
+    # on the policy term (0 = off; needs the recomputation). verl: rollout_is; TRL: vllm_importance_sampling_*.
+    c.rl.recompute_old_logp = False
+    c.rl.tis_cap = 0.0
 
     c.optim = ConfigDict()
     c.optim.lr = 1e-6 if big else 1e-4

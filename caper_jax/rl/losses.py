@@ -11,6 +11,10 @@ Per token (ratio ρ = exp(logp - old_logp), advantage A):
 
 ``kl_bias_correction`` uses ρ·kl_ref instead (TRL's ``use_bias_correction_kl``, its default).
 
+With truncated importance sampling (``tis_cap``) the policy term is first multiplied by the constant
+w = min(exp(old_logp - sampler_logp), tis_cap): the trainer's own recomputed old log-prob over the
+sampler's, which corrects for the sampler's numerics (docs/grpo.md, "Sampler/trainer mismatch").
+
 The per-token loss is reduced over the completion mask m by ``agg``:
 
     agg                           formula                     TRL loss_type     tunix loss_agg_mode
@@ -71,7 +75,7 @@ def _token_mean(values: Array, mask: Array) -> Array:
     return jnp.where(mask, values, 0.0).sum() / jnp.maximum(mask.sum(), 1)
 
 
-@functools.partial(jax.jit, static_argnames=("beta", "agg", "norm_len", "kl_bias_correction"))
+@functools.partial(jax.jit, static_argnames=("beta", "agg", "norm_len", "kl_bias_correction", "tis_cap"))
 def grpo_loss(
     logp: Array,
     old_logp: Array | None,
@@ -86,6 +90,8 @@ def grpo_loss(
     entropy: Array | None = None,
     norm_len: int | None = None,
     kl_bias_correction: bool = False,
+    sampler_logp: Array | None = None,
+    tis_cap: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """GRPO loss and metrics; all array arguments are ``[B, T]``.
 
@@ -105,12 +111,21 @@ def grpo_loss(
       kl_bias_correction: multiply the k3 term by the ratio ρ (static; TRL's ``use_bias_correction_kl``):
         importance-weights the KL estimate from samples of π_old to π_θ; ρ carries gradient, so even at
         ρ = 1 the gradient changes (by β·k3·∇logp per token).
+      sampler_logp: log-probs the sampler reported for the same tokens (constants); read only when
+        ``tis_cap`` is set.
+      tis_cap: truncated importance sampling (static; None or 0 = off): the policy term of each token is
+        multiplied by ``w = min(exp(old_logp - sampler_logp), tis_cap)``, a constant, which corrects for
+        the sampler's numerics differing from the trainer's when ``old_logp`` is the trainer's own
+        recomputation (verl's ``rollout_is`` token/truncate, TRL's ``vllm_importance_sampling_correction``
+        token_truncate). The KL term is not weighted.
 
     Returns:
       ``(loss, metrics)``; metrics: ``policy_loss``, ``clip_frac_low`` (ρ < 1-ε_low with A < 0, where
       the clip zeroes the gradient), ``clip_frac_high`` (ρ > 1+ε_high with A > 0), ``approx_kl``
-      (k3 estimate of KL(π_old ‖ π_θ)), ``ratio_mean``, and ``kl_ref`` when β > 0 (the KL term as it enters
-      the loss: ρ·k3 with ``kl_bias_correction``, as TRL logs it), ``entropy`` when given.
+      (k3 estimate of KL(π_old ‖ π_θ)), ``ratio_mean``, ``ratio_min``, ``ratio_max``, and ``kl_ref`` when
+      β > 0 (the KL term as it enters the loss: ρ·k3 with ``kl_bias_correction``, as TRL logs it),
+      ``entropy`` when given, ``tis_weight_mean`` (the mean w) and ``tis_capped_frac`` (tokens whose
+      exp(old_logp - sampler_logp) exceeds the cap) when ``tis_cap`` is set.
     """
     if agg not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {agg!r}; expected one of {AGGREGATIONS}")
@@ -126,6 +141,8 @@ def grpo_loss(
         raise ValueError(f"all inputs must share one [B, T] shape, got {shapes}")
     if beta != 0 and ref_logp is None:
         raise ValueError("beta != 0 needs ref_logp")
+    if tis_cap and (sampler_logp is None or sampler_logp.shape != logp.shape):
+        raise ValueError(f"tis_cap={tis_cap} needs sampler_logp of logp's shape {logp.shape}")
 
     mask = mask.astype(bool)
 
@@ -142,6 +159,10 @@ def grpo_loss(
     ratio = jnp.exp(log_ratio)
     clipped_ratio = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
     policy = -jnp.minimum(ratio * advantages, clipped_ratio * advantages)
+    if tis_cap:
+        trainer_over_sampler = jnp.exp(old_logp - jax.lax.stop_gradient(on_tokens(sampler_logp)))
+        tis_weight = jnp.minimum(trainer_over_sampler, tis_cap)
+        policy = policy * tis_weight
     per_token = policy
 
     metrics = {
@@ -150,7 +171,12 @@ def grpo_loss(
         "clip_frac_high": _token_mean((ratio > 1.0 + eps_high) & (advantages > 0), mask),
         "approx_kl": _token_mean(ratio - 1.0 - log_ratio, mask),
         "ratio_mean": _token_mean(ratio, mask),
+        "ratio_min": jnp.where(mask.any(), jnp.where(mask, ratio, jnp.inf).min(), 1.0),
+        "ratio_max": jnp.where(mask.any(), jnp.where(mask, ratio, -jnp.inf).max(), 1.0),
     }
+    if tis_cap:
+        metrics["tis_weight_mean"] = _token_mean(tis_weight, mask)
+        metrics["tis_capped_frac"] = _token_mean(trainer_over_sampler > tis_cap, mask)
     if beta != 0:
         ref_minus_policy = jax.lax.stop_gradient(on_tokens(ref_logp)) - logp
         kl_ref = jnp.exp(ref_minus_policy) - ref_minus_policy - 1.0

@@ -83,6 +83,8 @@ class GrpoRl:
     std_eps: float                   # added to that std
     std_scope: str                   # that std pooled over the group's units or the batch's
     kl_bias_correction: bool         # k3 KL term multiplied by the ratio (TRL's use_bias_correction_kl)
+    recompute_old_logp: bool         # old_logp from the first update's own forward, not the sampler (docs/grpo.md)
+    tis_cap: float                   # truncated importance weight min(exp(old - sampler), cap); 0 = off
 
     def __post_init__(self):
         one_of(self.agg, AGGREGATIONS, "rl.agg")
@@ -100,6 +102,13 @@ class GrpoRl:
             raise ValueError("need rl.update_epochs >= 1, rl.beta >= 0, 0 <= rl.eps_low < 1, rl.eps_high >= 0")
         if not 0 < self.gamma <= 1:
             raise ValueError(f"rl.gamma={self.gamma} must be in (0, 1]")
+        if self.recompute_old_logp and self.num_minibatches != 1:
+            # The first update's own forward gives the old log-probs: it must see the whole rollout.
+            raise ValueError(f"rl.recompute_old_logp needs rl.num_minibatches=1 (got {self.num_minibatches})")
+        if self.tis_cap < 0 or (self.tis_cap and not self.recompute_old_logp):
+            # Without the recomputation old_logp is the sampler's own: the weight would be exp(0) = 1.
+            raise ValueError(f"rl.tis_cap={self.tis_cap} must be >= 0 (0 = off), and > 0 needs rl.recompute_old_logp="
+                             f"True (the weight is the trainer's old log-prob over the sampler's)")
 
 
 @frozen

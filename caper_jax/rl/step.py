@@ -29,8 +29,18 @@ def updates_per_step(settings) -> int:
 
 def update_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientTransformation, beta: float,
                 agg: str, eps_low: float, eps_high: float, temperature: float, chunk_size: int,
-                kl_bias_correction: bool, with_entropy: bool = True) -> tuple[TrainState, dict]:
+                kl_bias_correction: bool, with_entropy: bool = True,
+                tis_cap: float = 0.0) -> tuple[TrainState, dict]:
     """One GRPO optimizer step on a minibatch; refuses (keeps the state) on a non-finite loss/gradient.
+
+    ``rl.recompute_old_logp``: the batch carries ``old_from_self`` [B] (bool). Where it is set, the old
+    log-probs are this update's own (stop-gradient) log-probs, not ``batch["old_logp"]``: the ratio is then
+    exactly 1, whatever the sampler reported, and the returned metrics carry ``logp`` [B, N] (the policy's
+    log-probs at the parameters before this update: the old log-probs of the rollout's later updates). They
+    come from this program itself because another program's forward rounds differently under bf16 compute
+    (docs/grpo.md, "Sampler/trainer mismatch").
+    ``tis_cap`` > 0: the batch also carries ``sampler_logp`` and the policy term is weighted by the
+    truncated importance weight ``grpo_loss`` describes (old log-probs over the sampler's).
 
     ``with_entropy``: also compute the policy's entropy, a metric only (no term of the loss), so the
     trainer asks for it on logging steps alone: off, the program has no entropy in it (one
@@ -42,9 +52,16 @@ def update_step(state: TrainState, batch: dict, *, graphdef, tx: optax.GradientT
                                   completion_len=completion_len, temperature=temperature,
                                   chunk_size=chunk_size, return_entropy=with_entropy)
         logp, entropy = out if with_entropy else (out, None)
-        return grpo_loss(logp, batch["old_logp"], batch.get("ref_logp"), batch["advantages"],
-                         batch["completion_mask"], eps_low=eps_low, eps_high=eps_high, beta=beta, agg=agg,
-                         entropy=entropy, kl_bias_correction=kl_bias_correction)
+        old_logp = batch["old_logp"]
+        if "old_from_self" in batch:
+            old_logp = jnp.where(batch["old_from_self"][:, None], jax.lax.stop_gradient(logp), old_logp)
+        loss, metrics = grpo_loss(logp, old_logp, batch.get("ref_logp"), batch["advantages"],
+                                  batch["completion_mask"], eps_low=eps_low, eps_high=eps_high, beta=beta, agg=agg,
+                                  entropy=entropy, kl_bias_correction=kl_bias_correction,
+                                  sampler_logp=batch.get("sampler_logp"), tis_cap=tis_cap or None)
+        if "old_from_self" in batch:
+            metrics = {**metrics, "logp": jax.lax.stop_gradient(logp)}
+        return loss, metrics
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     new_state, guard = guarded_update(state, loss, grads, tx, advance_step=False)   # run() counts outer steps
@@ -59,7 +76,8 @@ def jit_update(graphdef, tx, settings, state_sharding=None, *, with_entropy: boo
         update_step, graphdef=graphdef, tx=tx, beta=settings.rl.beta, agg=settings.rl.agg,
         eps_low=settings.rl.eps_low, eps_high=settings.rl.eps_high,
         temperature=settings.sampling.temperature, chunk_size=settings.chunk_size,
-        kl_bias_correction=settings.rl.kl_bias_correction, with_entropy=with_entropy)
+        kl_bias_correction=settings.rl.kl_bias_correction, with_entropy=with_entropy,
+        tis_cap=float(settings.rl.tis_cap))
     # The frozen optim and rl sections are the key: everything tx and the update were made from.
     key = ("grpo", graphdef, settings.optim, settings.rl, settings.sampling.temperature, settings.chunk_size,
            with_entropy)
@@ -72,6 +90,15 @@ def jit_completion_logprobs(params, input_ids, attention_mask, *, graphdef, comp
     """Jitted ``completion_logprobs`` (reference policy), compiled once per process and shape."""
     return completion_logprobs(params, input_ids, attention_mask, graphdef=graphdef, completion_len=completion_len,
                                temperature=temperature, chunk_size=chunk_size)
+
+
+@jax.jit
+def logp_mismatch(trainer_logp, sampler_logp, completion_mask) -> dict:
+    """Mean and max ``|trainer_logp - sampler_logp|`` over the completion tokens: how far the sampler's
+    log-probs are from the trainer's for the same tokens and parameters."""
+    mask = completion_mask.astype(bool)
+    delta = jnp.where(mask, jnp.abs(trainer_logp - sampler_logp), 0.0)
+    return {"logp_mismatch_mean": delta.sum() / jnp.maximum(mask.sum(), 1), "logp_mismatch_max": delta.max()}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "last"))

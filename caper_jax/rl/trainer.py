@@ -11,11 +11,13 @@ One step, top to bottom:
 
 ``reward.variant`` in {sparse, token, clause} only changes the layout: one code path for CAPER and both
 baselines. Old log-probs are the sampler's (tempered, unfiltered: the quantity ``token_logprobs``
-recomputes), so no extra forward is spent on them. The policy starts from an SFT run's orbax checkpoint
-(``policy.sft_workdir``), an HF directory (``model.hf_dir``) or a random preset (tests, smoke runs);
-the reference is that same starting point, rebuilt on resume. The PRM comes from a PRM run's orbax
-checkpoint (``prm.workdir``, ``prm.ckpt``). All hosts run the same rollout on the full (small)
-prompt batch; device arrays are global, host-side scoring is repeated per host (cheap, deterministic).
+recomputes), so no extra forward is spent on them, unless ``rl.recompute_old_logp`` asks for the trainer's
+own (the first update's forward; with ``rl.tis_cap`` the sampler's then weight the loss: docs/grpo.md).
+The policy starts from an SFT run's orbax checkpoint (``policy.sft_workdir``), an HF directory
+(``model.hf_dir``) or a random preset (tests, smoke runs); the reference is that same starting point,
+rebuilt on resume. The PRM comes from a PRM run's orbax checkpoint (``prm.workdir``, ``prm.ckpt``). All
+hosts run the same rollout on the full (small) prompt batch; device arrays are global, host-side scoring is
+repeated per host (cheap, deterministic).
 """
 from __future__ import annotations
 
@@ -41,8 +43,8 @@ from caper_jax.policy.prompts import check_prompt_widths, prompt_batch, stop_tok
 from caper_jax.prm.model import ClausePRM
 from caper_jax.utils.optim import make_optimizer
 from caper_jax.rl.settings import GrpoSettings
-from caper_jax.rl.step import (advantages_from_rewards, jit_completion_logprobs, jit_update, prm_token_scores,
-                               updates_per_step)
+from caper_jax.rl.step import (advantages_from_rewards, jit_completion_logprobs, jit_update, logp_mismatch,
+                               prm_token_scores, updates_per_step)
 from caper_jax.sections import check_devices, check_world
 from caper_jax.settings import from_config
 from caper_jax.sft import data as data_lib
@@ -251,6 +253,13 @@ def run(settings: GrpoSettings, workdir: str) -> dict:
             std_ddof=settings.rl.std_ddof, std_eps=float(settings.rl.std_eps), std_scope=settings.rl.std_scope)
         train_batch = {k: batch[k] for k in ("input_ids", "attention_mask", "completion_mask", "old_logp")}
         train_batch["advantages"] = advantages
+        recompute, mismatch = settings.rl.recompute_old_logp, {}
+        if recompute:
+            # The first update takes its own log-probs as the old ones (ratio 1, not exp(trainer - sampler),
+            # a numeric difference) and returns them: the old log-probs of the later updates (docs/grpo.md).
+            train_batch["old_from_self"] = jnp.ones_like(batch["parse_ok"], dtype=bool)   # [B], laid out as the batch
+            if settings.rl.tis_cap:
+                train_batch["sampler_logp"] = batch["old_logp"]
         if ref_params is not None:
             train_batch["ref_logp"] = jit_completion_logprobs(
                 ref_params, batch["input_ids"], batch["attention_mask"], graphdef=graphdef, completion_len=n_new,
@@ -263,6 +272,12 @@ def run(settings: GrpoSettings, workdir: str) -> dict:
         for _ in range(settings.rl.update_epochs):
             for minibatch in _minibatches(train_batch, settings.rl.num_minibatches):
                 state, m = update_fn(state, minibatch)
+                if recompute:   # one minibatch (GrpoRl): the first update saw the whole rollout
+                    m = dict(m)
+                    own = m.pop("logp")
+                    if not mismatch:
+                        mismatch = logp_mismatch(own, batch["old_logp"], batch["completion_mask"])
+                        train_batch.update(old_logp=own, old_from_self=jnp.zeros_like(train_batch["old_from_self"]))
                 updates.append(m)
         state = state.replace(step=state.step + 1)
         jax.block_until_ready(state)
@@ -282,6 +297,7 @@ def run(settings: GrpoSettings, workdir: str) -> dict:
             "perf/score_s": t_scored - t_sampled,
             "perf/prm_s": t_prm - t_scored,
             "perf/reference_s": t_prepared - t_prm,
+            **{f"rollout/{k}": float(v) for k, v in mismatch.items()},
             "perf/update_s": update_s,
             "perf/update_tokens_per_s": updated_tokens / max(update_s, 1e-9),
             "perf/step_s": t_end - t_start}}
@@ -332,6 +348,10 @@ def dry_run(settings: GrpoSettings) -> dict:
                  "advantages": struct((rows, new), jnp.float32)}
         if settings.rl.beta > 0:
             batch["ref_logp"] = struct((rows, new), jnp.float32)
+        if settings.rl.recompute_old_logp:
+            batch["old_from_self"] = struct((rows,), jnp.bool_)
+        if settings.rl.tis_cap:
+            batch["sampler_logp"] = struct((rows, new), jnp.float32)
         return batch
 
     widths = check_prompt_widths(settings.sampling.prompt_widths, settings.sampling.max_prompt_len)

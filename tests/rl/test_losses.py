@@ -272,3 +272,96 @@ def test_pipeline_learns_a_two_clause_bandit(variant):
             assert half_right >= 8   # rows where the variants' credit for token 0 differs in sign
     probs = jax.nn.softmax(head, axis=-1)
     assert float(probs[0, 1] * probs[1, 3]) > 0.8
+
+
+def tis_inputs(seed=11, b=5, t=8):
+    """Log-probs where the trainer/sampler weight exp(old - sampler) falls both under and over a cap of 2."""
+    rng = np.random.default_rng(seed)
+    logp = rng.normal(-2, 0.3, (b, t))
+    old = logp + rng.normal(0, 0.15, (b, t))
+    sampler = old - rng.choice([-0.5, 0.05, 1.2], size=(b, t))   # weights e^-0.5, e^0.05, e^1.2 > 2
+    adv = rng.normal(size=(b, t))
+    mask = rng.random((b, t)) < 0.8
+    mask[3] = False
+    return logp, old, sampler, adv, mask
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_truncated_importance_weight_matches_numpy(agg, beta):
+    """The policy term times min(exp(old - sampler), cap), float64 reference row by row; the KL term unweighted;
+    the weight is a constant (the gradient is the weighted unweighted-policy gradient plus the KL's)."""
+    logp, old, sampler, adv, mask = tis_inputs()
+    ref = logp + np.random.default_rng(2).normal(0, 0.3, logp.shape)
+    cap = 2.0
+    weight = np.minimum(np.exp(old - sampler), cap)
+    assert 0 < (np.exp(old - sampler)[mask] > cap).mean() < 1   # the cap binds on some tokens, not all
+    ratio = np.exp(logp - old)
+    policy = -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.28) * adv) * weight
+    k3 = np.exp(ref - logp) - (ref - logp) - 1
+    per_token = policy + beta * k3
+    rows = [per_token[i][mask[i]] for i in range(len(mask)) if mask[i].any()]
+    expected = {"token-mean": np.concatenate(rows).sum() / mask.sum(),
+                "sequence-mean-token-mean": np.mean([r.mean() for r in rows]),
+                "sequence-mean-token-sum": np.mean([r.sum() for r in rows]),
+                "sequence-mean-token-sum-norm": np.concatenate(rows).sum() / mask.size}[agg]
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+
+    def loss_fn(x, cap):
+        return grpo_loss(x, f32(old), f32(ref), f32(adv), jnp.asarray(mask), beta=beta, agg=agg,
+                         sampler_logp=f32(sampler), tis_cap=cap)
+
+    (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(f32(logp), cap)
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    assert float(metrics["tis_weight_mean"]) == pytest.approx(weight[mask].mean(), rel=1e-5)
+    assert float(metrics["tis_capped_frac"]) == pytest.approx((np.exp(old - sampler)[mask] > cap).mean())
+    assert float(metrics["ratio_min"]) == pytest.approx(ratio[mask].min(), rel=1e-5)
+    assert float(metrics["ratio_max"]) == pytest.approx(ratio[mask].max(), rel=1e-5)
+    # The gradient: the policy term's without the weight, times the weight, plus the KL term's.
+    policy_grad = jax.grad(lambda x: grpo_loss(x, f32(old), None, f32(adv), jnp.asarray(mask), beta=0.0,
+                                               agg=agg)[0])(f32(logp))
+    kl_grad = jax.grad(lambda x: grpo_loss(x, x, f32(ref), jnp.zeros_like(x), jnp.asarray(mask), beta=beta,
+                                           agg=agg)[0])(f32(logp)) if beta else 0.0
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(policy_grad) * weight + np.asarray(kl_grad),
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_truncated_importance_weight_single_update_is_a_constant():
+    """old_logp None (one update right after sampling): w = min(exp(logp - sampler), cap) in value, and the
+    gradient is w times the unweighted one (w carries no gradient)."""
+    logp, _, sampler, adv, mask = tis_inputs(seed=5)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    weight = np.minimum(np.exp(logp - sampler), 2.0)
+
+    def loss_fn(x, cap):
+        return grpo_loss(x, None, None, f32(adv), jnp.asarray(mask), beta=0.0, sampler_logp=f32(sampler),
+                         tis_cap=cap)[0]
+
+    loss, grad = jax.value_and_grad(loss_fn)(f32(logp), 2.0)
+    plain_loss, plain_grad = jax.value_and_grad(loss_fn)(f32(logp), None)
+    assert float(loss) == pytest.approx(-(adv * weight)[mask].sum() / mask.sum(), rel=1e-5)
+    assert float(plain_loss) == pytest.approx(-adv[mask].sum() / mask.sum(), rel=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(plain_grad) * weight, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("cap", [None, 0.0])
+def test_tis_off_leaves_loss_and_gradient_bit_identical(cap):
+    logp, old, sampler, adv, mask = (jnp.asarray(x, jnp.float32) if x.dtype != bool else jnp.asarray(x)
+                                     for x in tis_inputs(seed=9))
+    ref = logp + 0.1
+    without = jax.value_and_grad(lambda x: grpo_loss(x, old, ref, adv, mask, beta=0.04)[0])(logp)
+    off = jax.value_and_grad(lambda x: grpo_loss(x, old, ref, adv, mask, beta=0.04, sampler_logp=sampler,
+                                                 tis_cap=cap)[0])(logp)
+    on = grpo_loss(logp, old, ref, adv, mask, beta=0.04, sampler_logp=sampler, tis_cap=2.0)[0]
+    assert float(without[0]) == float(off[0]) != float(on)
+    assert np.array_equal(np.asarray(without[1]), np.asarray(off[1]))
+    metrics = grpo_loss(logp, old, ref, adv, mask, beta=0.04, sampler_logp=sampler, tis_cap=cap)[1]
+    assert "tis_weight_mean" not in metrics and "tis_capped_frac" not in metrics
+
+
+def test_tis_needs_sampler_logp():
+    x = jnp.zeros((2, 3))
+    with pytest.raises(ValueError, match="needs sampler_logp"):
+        grpo_loss(x, x, None, x, x, beta=0.0, tis_cap=2.0)
+    with pytest.raises(ValueError, match="needs sampler_logp"):
+        grpo_loss(x, x, None, x, x, beta=0.0, tis_cap=2.0, sampler_logp=jnp.zeros((2, 4)))

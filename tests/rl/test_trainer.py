@@ -86,7 +86,8 @@ def update_setup(world):
                                  graphdef=graphdef, completion_len=new, temperature=1.0, chunk_size=settings.chunk_size)
     fresh_state = jax.jit(lambda p: init_state(p, tx), out_shardings=shardings)  # the e2e runs' layout
     return dict(params=state.params, fresh_state=fresh_state, ids=ids, attention=attention, new=new,
-                logprobs=logprobs, mesh=mesh, update=rl_step.jit_update(graphdef, tx, settings, shardings))
+                logprobs=logprobs, mesh=mesh, update=rl_step.jit_update(graphdef, tx, settings, shardings),
+                graphdef=graphdef, tx=tx, shardings=shardings)
 
 
 def update_once(setup, exec_rewards):
@@ -406,3 +407,61 @@ def test_bad_config_is_refused():
     config = grpo_config(group_size=1)
     with pytest.raises(ValueError, match="group_size"):
         T.validate(config)
+
+
+def first_update(setup, settings, sampler_shift):
+    """``rl.recompute_old_logp`` as the trainer runs it: a hand-made rollout of one group of 2 whose sampler
+    log-probs are the policy's plus ``sampler_shift`` [2, N]; the first update with ``old_from_self``, and the
+    same update with the sampler's log-probs as the old ones (today's default) for contrast."""
+    with jax.set_mesh(setup["mesh"]):
+        state = setup["fresh_state"](setup["params"])
+        completion = jnp.ones((2, setup["new"]), jnp.int32)
+        sampler = setup["logprobs"](state.params) + jnp.asarray(sampler_shift, jnp.float32)
+        batch = {"input_ids": setup["ids"], "attention_mask": setup["attention"], "completion_mask": completion,
+                 "old_logp": sampler, "advantages": jnp.asarray([[1.0], [-1.0]]) * completion}
+        _, as_sampled = setup["update"](state, batch)
+        extra = {"old_from_self": jnp.ones(2, bool), **({"sampler_logp": sampler} if settings.rl.tis_cap else {})}
+        update = rl_step.jit_update(setup["graphdef"], setup["tx"], settings, setup["shardings"])
+        _, own = update(setup["fresh_state"](setup["params"]), {**batch, **extra})
+    return own, as_sampled, np.asarray(sampler)
+
+
+def test_the_first_update_takes_its_own_log_probs_as_the_old_ones(update_setup, world):
+    """rl.recompute_old_logp: ratio exactly 1 on every token at the first update, where the sampler's log-probs
+    (here off by up to 2 %) give e^-shift; the update returns its log-probs (the later updates' old ones), which
+    are the policy's at the rollout's parameters."""
+    config = e2e_config(world[0])
+    config.rl.recompute_old_logp = True
+    settings = T.validate(config)
+    shift = np.random.default_rng(0).uniform(-0.02, 0.02, (2, update_setup["new"]))
+    own, as_sampled, sampler = first_update(update_setup, settings, shift)
+    assert float(own["ratio_min"]) == float(own["ratio_max"]) == 1.0
+    assert float(own["approx_kl"]) == 0.0
+    assert float(as_sampled["ratio_max"]) == pytest.approx(np.exp(-shift.min()), rel=1e-4)
+    assert float(as_sampled["ratio_min"]) == pytest.approx(np.exp(-shift.max()), rel=1e-4)
+    np.testing.assert_allclose(np.asarray(own["logp"]), sampler - shift, rtol=0, atol=1e-5)
+    assert "logp" not in as_sampled
+
+
+def test_truncated_importance_weight_in_the_update(update_setup, world):
+    """rl.tis_cap = 2: row 0's sampler log-probs are log 3 below the trainer's (weight min(3, 2) = 2, capped),
+    row 1's equal (weight 1). Ratio 1 and advantages +-1 make the token-mean policy loss -(2 - 1) / 2 = -0.5."""
+    config = e2e_config(world[0])
+    config.rl.update(recompute_old_logp=True, tis_cap=2.0)
+    settings = T.validate(config)
+    shift = np.stack([np.full(update_setup["new"], -np.log(3.0)), np.zeros(update_setup["new"])])
+    own, _, _ = first_update(update_setup, settings, shift)
+    assert float(own["tis_weight_mean"]) == pytest.approx(1.5, rel=1e-5)
+    assert float(own["tis_capped_frac"]) == pytest.approx(0.5)
+    assert float(own["policy_loss"]) == pytest.approx(-0.5, rel=1e-5)
+
+
+def test_tis_without_the_recomputation_is_refused():
+    config = grpo_config(tis_cap=2.0)
+    with pytest.raises(ValueError, match="rl.tis_cap=2.0 must be >= 0 .* needs rl.recompute_old_logp=True"):
+        T.validate(config)
+    T.validate(grpo_config(tis_cap=2.0, recompute_old_logp=True))
+    with pytest.raises(ValueError, match="rl.recompute_old_logp needs rl.num_minibatches=1"):
+        T.validate(grpo_config(recompute_old_logp=True, num_minibatches=2))
+    with pytest.raises(ValueError, match="rl.tis_cap"):
+        T.validate(grpo_config(tis_cap=-1.0, recompute_old_logp=True))
