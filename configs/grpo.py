@@ -38,7 +38,6 @@ _POD_WIDTHS = {"sampling.prompt_widths": (512, 1536), "sampling.max_prompt_len":
 PODS = {name: {**recipe, **_POD_WIDTHS} for name, recipe in PODS.items()}
 
 
-
 def get_config(arg: str | None = None) -> ConfigDict:
     arg = parse_arg(arg, variant="sparse", model="tiny", data="demo", steps=0, pod="")
     big = arg.model == "qwen35_9b"

@@ -66,6 +66,8 @@ def summarize(programs: dict[str, dict], tpu: TpuSlice, mesh: dict[str, int]) ->
             "argument_bytes": memory["argument_bytes"], "output_bytes": memory["output_bytes"],
             "alias_bytes": memory["alias_bytes"], "resident_bytes": program["resident_bytes"],
             "collective_bytes": dict(program["collective_bytes"]), "matmul_flops": program["matmul_flops"],
+            "params": program.get("params"),   # the parameters the program holds (None where not counted)
+            "largest_buffers": program.get("largest_buffers", []),
             "calls_per_step": program["calls"], "compile_s": round(program["compile_s"], 1),
             "lower_bound_estimate": {k: float(f"{v:.4g}") for k, v in lower_bound_s(program, tpu).items()},
             "fits": program["resident_bytes"] <= limit,
@@ -92,6 +94,8 @@ def table(report: dict) -> str:
             f"{c['all-gather'] / GiB:>10.3f} {c['reduce-scatter'] / GiB:>8.3f} {c['all-reduce'] / GiB:>8.3f} "
             f"{c['all-to-all'] / GiB:>10.3f} {c['collective-permute'] / GiB:>7.3f}   "
             f"{p['lower_bound_estimate']['bound_s'] * 1e3:>9.1f} ms" + ("" if p["fits"] else "   DOES NOT FIT"))
+        if p["largest_buffers"]:
+            lines.append("    largest buffers: " + ", ".join(f"{b['shape']} {b['bytes'] / GiB:.2f}" for b in p["largest_buffers"]))
     lines.append("GiB per chip; collectives per call per chip; bound = max(FLOPs/peak, HBM bytes/bandwidth, "
                  "collective bytes/ICI), an estimate from published chip figures")
     return "\n".join(lines)

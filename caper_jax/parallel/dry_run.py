@@ -165,6 +165,7 @@ def report(
     if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
         cost = cost[0] if cost else {}
     matmul_flops = jaxpr_matmul_flops(traced.jaxpr.jaxpr, while_trips)
+    hlo_text = compiled.as_text()
     result = {
         "params": count_params(abstract_args if params is None else params),
         "matmul_flops": matmul_flops,
@@ -175,8 +176,11 @@ def report(
         "lower_s": lower_s,
         "compile_s": compile_s,
         "output_shardings": compiled.output_shardings,
-        # Bytes each kind of collective moves per call, per device, read from the compiled HLO (loops by their trip counts).
-        "collective_bytes": hlo_collectives.collective_bytes(compiled.as_text()),
+        # Bytes each kind of collective moves per call, per device, read from the compiled HLO (loops by their trip
+        # counts), and its three largest unfused buffers (where a full-size vocabulary buffer would show).
+        "collective_bytes": hlo_collectives.collective_bytes(hlo_text),
+        "largest_buffers": [{"shape": b.shape, "bytes": b.bytes, "op": (b.op_names or [""])[0]}
+                            for b in hlo_collectives.largest_shapes(hlo_text, 3)],
         "compiled": compiled,   # not printed
     }
     if print_fn is not None:

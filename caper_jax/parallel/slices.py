@@ -84,8 +84,13 @@ def tpu_slice(name: str) -> TpuSlice:
 
 def slice_devices(tpu: TpuSlice) -> list:
     """Compile-only devices of the slice's topology (libtpu; no TPU needed). One clear error without libtpu."""
+    import os
+
     from jax.experimental import topologies
 
+    # libtpu takes a lock file so that two processes do not drive one TPU; compiling for a topology drives none,
+    # and several compiles (a test run beside a command) may hold it at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         devices = topologies.get_topology_desc(tpu.topology_name, platform="tpu").devices
     except RuntimeError as error:   # no libtpu: "Unknown backend tpu", "Unable to initialize backend 'tpu'"

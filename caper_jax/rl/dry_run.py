@@ -66,6 +66,7 @@ class ProgramFigures:
     compile_s: float
     collective_bytes: dict[str, int]   # per call, per device, by kind (parallel.hlo_collectives)
     trips: float = 1.0             # times its loop body runs per call (the decode loop's tokens)
+    largest_buffers: list = dataclasses.field(default_factory=list)   # per device (parallel.dry_run.report)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -135,7 +136,7 @@ def plan(settings, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print
         others = sum(v for k, v in persistent.items() if k not in uses)
         figures[name] = ProgramFigures(name, n_rows, tokens, calls, result["matmul_flops"], result["memory"],
                                        result["memory"]["peak_bytes"] + others, result["compile_s"],
-                                       result["collective_bytes"], trips)
+                                       result["collective_bytes"], trips, result["largest_buffers"])
         return result
 
     # The trainer prefills each distinct prompt once (prompts × prompt_len positions computed) and the

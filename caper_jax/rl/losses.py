@@ -2,7 +2,6 @@
 bias-corrected ρ·k3), and four aggregations, each equal to one of TRL 1.16's ``loss_type`` and of
 tunix 0.1.7's ``loss_agg_mode`` when every row has a token (measured: ``bench/peer_grpo.py``).
 
-
 Per token (ratio ρ = exp(logp - old_logp), advantage A):
 
     policy = -min(ρ·A, clip(ρ, 1 - ε_low, 1 + ε_high)·A)    (DAPO clip-higher when ε_high > ε_low)

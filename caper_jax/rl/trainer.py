@@ -382,5 +382,6 @@ def compile_programs(settings: GrpoSettings) -> dict[str, dict]:
             programs[f"{name}@{width}"] = {
                 "memory": figures.memory, "matmul_flops": figures.matmul_flops, "calls": figures.calls,
                 "resident_bytes": figures.resident_bytes, "collective_bytes": figures.collective_bytes,
-                "compile_s": figures.compile_s, "while_trips": figures.trips}
+                "compile_s": figures.compile_s, "while_trips": figures.trips, "params": planned["params"],
+                "largest_buffers": figures.largest_buffers}
     return programs

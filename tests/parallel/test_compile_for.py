@@ -19,7 +19,8 @@ from tests.helpers import REPO
 TINY_PRM = ("--config=configs/prm.py", "--config.data.max_len=64", "--config.data.bucket_lengths=(64,)",
             "--config.data.batch_size=4", "--config.data.within_batch_size=0", "--config.data.eval_batch_size=4",
             "--config.mesh_shape.data=2", "--config.mesh_shape.fsdp=2")
-TINY_GRPO = ("--config=configs/grpo.py:variant=clause", "--config.sampling.prompt_widths=(32,)",
+TINY_GRPO = ("--config=configs/grpo.py:variant=clause", "--config.prm.workdir=runs/prm_demo",   # not read: shapes only
+             "--config.sampling.prompt_widths=(32,)",
              "--config.sampling.max_prompt_len=32", "--config.sampling.max_new_tokens=8",
              "--config.rl.prompts_per_step=2", "--config.rl.group_size=2")
 
@@ -56,12 +57,14 @@ def test_prm_programs_compile_for_a_v5e_slice():
     for program in report["programs"].values():
         check_program(program, report["hbm_bytes"])
     step = report["programs"]["train_step"]
-    # FSDP over 2 chips: the step gathers every layer's weights and reduce-scatters their gradients; the data
-    # replicas all-reduce the gradient shards. Half of the fp32 parameters live on each chip.
-    params = step["argument_bytes"] - 4 * 2 * 4 * 64 * 3   # less the int32/f32 batch shards (a few KB)
-    assert step["collective_bytes"]["all-gather"] > params
-    assert step["collective_bytes"]["reduce-scatter"] > params
-    assert step["collective_bytes"]["all-reduce"] > 0
+    # FSDP over 2 chips: each chip holds half of every fp32 parameter and its two AdamW moments (the step's
+    # arguments: a third of them are parameters), gathers the other half of every layer's weights and sends its
+    # share of their gradients; the data replicas all-reduce the gradient shards.
+    half_of_the_params = step["argument_bytes"] / 3
+    collectives = step["collective_bytes"]
+    assert collectives["all-gather"] > 0.9 * half_of_the_params
+    assert collectives["reduce-scatter"] + collectives["all-reduce"] > 0.9 * half_of_the_params
+    assert collectives["all-reduce"] > 0
     # The scoring program runs with the optimizer state resident: its resident bytes exceed its own peak.
     scoring = report["programs"]["clause_scores"]
     assert scoring["resident_bytes"] > scoring["peak_bytes"]
