@@ -175,7 +175,7 @@ def table(args) -> None:
         if record is None:
             continue
         name, program = _caper_program(record, args.caper_program)
-        caper_params = record.get("params", args.caper_params)
+        caper_params = record.get("params") or program.get("params") or args.caper_params   # the program's own count
         caper_tokens = args.caper_tokens.get(row["record"]["slice"], row["tokens"])
         caper_coll = sum(program["collective_bytes"].get(k, 0) for k in KINDS)
         m_peak, c_peak = row["peak"], program["peak_bytes"]

@@ -30,10 +30,12 @@ from configs.common import apply_pod, parse_arg
 
 # Qwen3.5-9B on Cloud TPU slices: mesh, pairs per step (2 sequences each) and the scoring batch (a multiple of
 # the batch shards), each compiled with `--compile_for=<slice>` and fitting with >= 5 % of HBM free
-# (docs/scale.md has the figures). Sequences per chip: v5e 2, v5p 4, v6e 2 (2,048 tokens each).
+# (docs/scale.md has the figures). Tokens per chip: v5e 2,048, v5p 8,192, v6e 4,096. v5e-256: a pair per
+# (data, fsdp) slot, its heads and MLP split over a tensor pair; (16, 16, 1) needs >= 256 pairs (the chosen
+# and the rejected rows are each split over data x fsdp), 2 sequences per chip: 16.66 GiB, over the chip.
 PODS = {
-    "v5e-256": {"mesh_shape": {"data": 16, "fsdp": 16, "tensor": 1}, "data.batch_size": 256,
-                "data.eval_batch_size": 256},
+    "v5e-256": {"mesh_shape": {"data": 8, "fsdp": 16, "tensor": 2}, "data.batch_size": 128,
+                "data.eval_batch_size": 128},
     "v5p-64": {"mesh_shape": {"data": 1, "fsdp": 32, "tensor": 1}, "data.batch_size": 64,
                "data.eval_batch_size": 64},
     "v5p-128": {"mesh_shape": {"data": 2, "fsdp": 32, "tensor": 1}, "data.batch_size": 128,
