@@ -48,7 +48,7 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Lower and compile the train step
 _COMPILE_FOR = flags.DEFINE_string(
     "compile_for", None, "A Cloud TPU slice (v5e-256, v5p-64, v6e-64, ...): compile every program of a step with "
     "the TPU compiler for it, here, with no TPU; print memory per chip and collective bytes, last a JSON line; "
-    "exit 2 when a program does not fit with 5 % headroom (needs libtpu: pip install 'caper_jax[tpu]').")
+    "exit 2 when a program does not fit with 5 % headroom (needs libtpu: pip install -e '.[tpu]').")
 
 TRAINERS = {
     "prm": "caper_jax.prm.trainer",

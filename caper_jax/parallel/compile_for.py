@@ -2,8 +2,8 @@
 
     python -m caper_jax.train --config=configs/prm.py:model=qwen35_9b,pod=v5e-256 --compile_for=v5e-256
 
-What MaxText's ``train_compile`` does for its models, for each trainer's programs: libtpu (``pip install
-'caper_jax[tpu]'``) compiles for a topology with no TPU attached (``parallel.slices``), the mesh is laid over its
+What MaxText's ``train_compile`` does for its models, for each trainer's programs: libtpu (``pip install -e
+'.[tpu]'``) compiles for a topology with no TPU attached (``parallel.slices``), the mesh is laid over its
 compile-only devices and backend-dependent model choices follow the target (``parallel.target``). Nothing is
 allocated and no weights or data are read: the trainer's ``compile_programs(settings)`` lowers each program on
 ShapeDtypeStructs (``parallel.dry_run.report``).

@@ -94,7 +94,7 @@ def slice_devices(tpu: TpuSlice) -> list:
     try:
         devices = topologies.get_topology_desc(tpu.topology_name, platform="tpu").devices
     except RuntimeError as error:   # no libtpu: "Unknown backend tpu", "Unable to initialize backend 'tpu'"
-        raise ValueError(f"--compile_for={tpu.name} needs the TPU compiler: pip install 'caper_jax[tpu]' "
+        raise ValueError(f"--compile_for={tpu.name} needs the TPU compiler: pip install -e '.[tpu]' "
                          f"(libtpu, pinned to jax); {str(error).splitlines()[0]}") from None
     if len(devices) != tpu.chips:
         raise ValueError(f"{tpu.topology_name} gave {len(devices)} devices, expected {tpu.chips}")
