@@ -153,6 +153,17 @@ def _cut_layer_groups(graphdef, state) -> list[nnx.State]:
     return nnx.merge(graphdef, state).layer_groups()
 
 
+def prefill_group_size(prompts: int, group_size: int, batch_shards: int) -> int:
+    """How many of a prompt's ``group_size`` rows share one prefill: the largest divisor k of ``group_size``
+    whose prefilled rows, ``prompts × group_size / k``, split evenly over the ``batch_shards`` the mesh splits
+    a batch into (1 if none does). Fewer prefilled rows than shards would leave the prefill replicated, every
+    chip computing every prompt (32 prompts on a 64-chip v6e: 8× a chip's share, and a replicated cache)."""
+    for k in sorted((d for d in range(1, group_size + 1) if group_size % d == 0), reverse=True):
+        if prompts * (group_size // k) % batch_shards == 0:
+            return k
+    return 1
+
+
 def repeat_rows(first_logits: jax.Array, cache, group_size: int):
     """Each prompt's first-token logits and cache repeated to ``group_size`` consecutive rows
     (row ``p * group_size + i`` continues prompt ``p``), in the cache's layout (``Qwen35Cache``):

@@ -23,6 +23,10 @@ from caper_jax.prm.model import ClausePRM, backbone_config
 from caper_jax.utils.errors import CheckpointError
 
 HF_ARCHITECTURE = "Qwen3_5TextForSequenceClassification"
+# vLLM has no Qwen3_5Text model and refuses the linear-attention layers through its transformers fallback; under
+# this name it runs its own Qwen3.5 with a pooling head (`--runner pooling`, task token_classify: a score at every
+# token, the clause ends among them; bench/vllm_check.py). transformers loads by model_type and ignores it.
+VLLM_ARCHITECTURE = "Qwen3_5ForSequenceClassification"
 SCORE_TENSOR = "score.weight"
 
 
@@ -82,7 +86,7 @@ def export_prm_to_hf(model: ClausePRM, out_dir: str | pathlib.Path, tokenizer=No
 
     # The backbone config (no separate lm_head) is what the file holds; load_prm_from_hf reads it back.
     hf_config = backbone_config.to_hf_dict()
-    hf_config.update(architectures=[HF_ARCHITECTURE], num_labels=1, id2label={"0": "LABEL_0"},
+    hf_config.update(architectures=[HF_ARCHITECTURE, VLLM_ARCHITECTURE], num_labels=1, id2label={"0": "LABEL_0"},
                      label2id={"LABEL_0": 0}, pad_token_id=model.config.pad_token_id, problem_type="regression",
                      dtype=dtype)
     out = hf_io.write_safetensors(tensors(), out_dir, hf_config, max_shard_bytes=max_shard_bytes)

@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from caper_jax.loop import dry_run_architecture
 from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.models.frozen import frozen_params
-from caper_jax.models.sampler import SamplingConfig, _decode, _prefill
+from caper_jax.models.sampler import SamplingConfig, _decode, _prefill, prefill_group_size
 from caper_jax.parallel import multihost
 from caper_jax.parallel import rules as rules_lib
 from caper_jax.parallel.dry_run import GiB, device_bytes, report
@@ -142,11 +142,13 @@ def plan(settings, mesh, *, programs: tuple[str, ...] = PROGRAMS, print_fn=print
     # The trainer prefills each distinct prompt once (prompts × prompt_len positions computed) and the
     # program repeats the cache to the rows the decode samples; its rows are those (its memory, the
     # cache it returns, grows with them, and ``fit`` puts every program on one axis of rollout rows).
-    ids_p = _replicated(mesh, (prompts, prompt_len), jnp.int32)
-    prefill_static = {"max_len": full, "cache_dtype": sampling.cache_dtype, "group_size": group}
+    shared = prefill_group_size(prompts, group, multihost.batch_multiple(mesh, rules))   # as the trainer
+    prefilled = prompts * (group // shared)
+    ids_p = _replicated(mesh, (prefilled, prompt_len), jnp.int32)
+    prefill_static = {"max_len": full, "cache_dtype": sampling.cache_dtype, "group_size": shared}
     if "prefill" in programs or "decode" in programs:
         pre = run("prefill", _prefill, (graphdef, state.params, ids_p, ids_p), uses=("policy_params",),
-                  tokens=prompts * prompt_len, n_rows=rows, static=prefill_static)
+                  tokens=prefilled * prompt_len, n_rows=rows, static=prefill_static)
         if "decode" in programs:
             logits_s, cache_s = pre["output_shardings"]
             first_logits = jax.ShapeDtypeStruct((rows, arch.vocab_size), jnp.float32, sharding=logits_s)

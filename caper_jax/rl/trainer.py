@@ -35,7 +35,7 @@ from caper_jax.data.clause_encoder import resolve_pad_id
 from caper_jax.data.data_world import prepare_world
 from caper_jax.models import Qwen35ForCausalLM
 from caper_jax.models.frozen import frozen_params
-from caper_jax.models.sampler import SamplingConfig, generate
+from caper_jax.models.sampler import SamplingConfig, generate, prefill_group_size
 from caper_jax.parallel import multihost
 from caper_jax.policy import rollout as rollout_lib
 from caper_jax.policy.build import build_policy
@@ -220,9 +220,12 @@ def run(settings: GrpoSettings, workdir: str) -> dict:
                                                settings.sampling.max_prompt_len,
                                                pad_id=pad_id, widths=widths)
         # Each prompt is prefilled once and its cache repeated to its G rows (the sampler's group_size):
-        # the same samples as prefilling it G times, for 1/G of the prefill's FLOPs.
-        output = generate(nnx.merge(graphdef, state.params), jnp.asarray(prompt_ids), jnp.asarray(prompt_mask),
-                          jax.random.fold_in(base_key, step), sampling, group_size=group)
+        # the same samples as prefilling it G times, for 1/G of the prefill's FLOPs; repeated beforehand as
+        # far as the prefilled rows must cover the mesh's batch shards (prefill_group_size).
+        shared = prefill_group_size(len(distinct), group, multihost.batch_multiple(mesh, rules))
+        output = generate(nnx.merge(graphdef, state.params), jnp.asarray(np.repeat(prompt_ids, group // shared, axis=0)),
+                          jnp.asarray(np.repeat(prompt_mask, group // shared, axis=0)),
+                          jax.random.fold_in(base_key, step), sampling, group_size=shared)
         jax.block_until_ready(output)
         t_sampled = time.perf_counter()
         indices = np.repeat(distinct, group)  # consecutive rows = one group

@@ -352,3 +352,13 @@ def test_prefill_and_decode_share_one_cut_of_the_layer_weights(two_group_model, 
     np.testing.assert_array_equal(np.asarray(shared.tokens), np.asarray(scanned.tokens))
     np.testing.assert_array_equal(np.asarray(generate(model, ids, mask, jax.random.key(0), config).tokens),
                                   np.asarray(shared.tokens))
+
+
+def test_prefill_group_size_keeps_the_prefilled_rows_over_the_batch_shards():
+    from caper_jax.models.sampler import prefill_group_size
+
+    assert prefill_group_size(32, 8, 32) == 8     # v5p-64: one prompt per chip, prefilled once
+    assert prefill_group_size(32, 8, 64) == 4     # v6e-64: 64 rows prefilled (each prompt twice), then x4
+    assert prefill_group_size(4, 8, 1) == 8       # one device: every group shares one prefill
+    assert prefill_group_size(2, 4, 16) == 1      # 8 rows cannot cover 16 shards: the rows as they are
+    assert prefill_group_size(6, 8, 16) == 1 and prefill_group_size(6, 8, 12) == 4   # 48 rows; 12 rows

@@ -36,6 +36,8 @@ def test_backbone_from_hf_and_export_round_trip(tmp_path):
     out = export_prm_to_hf(prm, tmp_path / "prm", tokenizer)
     hf_prm = transformers.Qwen3_5TextForSequenceClassification.from_pretrained(out).eval()
     assert hf_prm.config.num_labels == 1 and hf_prm.config.pad_token_id == PAD
+    # transformers' class first, then the name under which vLLM serves it as a per-token pooling model
+    assert hf_prm.config.architectures == ["Qwen3_5TextForSequenceClassification", "Qwen3_5ForSequenceClassification"]
 
     rng = np.random.default_rng(1)
     ids = rng.integers(1, prm.config.vocab_size, size=(2, 40)).astype(np.int32)
