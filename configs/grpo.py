@@ -17,7 +17,7 @@ Variants (``:arg``, comma separated):
     :model=tiny|small|qwen35_9b   policy preset when starting from random weights
     :data=demo|spider             demo world, or Spider/BIRD layout data in --config.data.dir
     :steps=N                      GRPO steps (one rollout of prompts_per_step x group_size each)
-    :pod=v5p-64|v5p-128|v6e-64    a Qwen3.5-9B recipe for that Cloud TPU slice (PODS below), e.g.
+    :pod=v5e-256|v5p-64|v5p-128|v6e-64   a Qwen3.5-9B recipe for that Cloud TPU slice (PODS below), e.g.
 
     python -m caper_jax.train --config=configs/grpo.py:variant=clause,model=qwen35_9b,pod=v5p-64 --compile_for=v5p-64
 """
@@ -30,6 +30,7 @@ from configs.common import apply_pod, parse_arg
 # 32 prompts x G = 8 per step; each compiled with `--compile_for=<slice>` (every program at both widths) and
 # fitting with >= 5 % of HBM free (docs/scale.md).
 PODS = {
+    "v5e-256": {"mesh_shape": {"data": 1, "fsdp": 256, "tensor": 1}},   # one rollout row per chip
     "v5p-64": {"mesh_shape": {"data": 1, "fsdp": 32, "tensor": 1}},
     "v5p-128": {"mesh_shape": {"data": 1, "fsdp": 64, "tensor": 1}},
     "v6e-64": {"mesh_shape": {"data": 1, "fsdp": 64, "tensor": 1}},
